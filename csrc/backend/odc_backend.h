@@ -1,0 +1,116 @@
+// The "odc" c10d backend: one c10d::Backend that serves CPU and CUDA tensors.
+//
+// Collectives are forwarded, with unchanged semantics, to an inner backend chosen by the device of
+// the tensors: Gloo for CPU tensors, NCCL for CUDA tensors. The inner backends are created in
+// Python (the torch wheel ships no Gloo headers) on their own PrefixStores; the NCCL one lazily,
+// on the first CUDA collective, through a factory, so CPU-only programs never touch CUDA.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <functional>
+#include <mutex>
+#include <string>
+
+namespace torch_odc {
+
+class OdcBackend : public c10d::Backend {
+ public:
+  using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+  using BackendFactory = std::function<BackendPtr()>;
+
+  OdcBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+             std::chrono::milliseconds timeout, BackendPtr cpu_backend,
+             BackendFactory cuda_factory);
+  ~OdcBackend() override;
+
+  const std::string getBackendName() const override { return "odc"; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // The inner backend for a device type; creates the CUDA one on first use.
+  BackendPtr inner(c10::DeviceType device);
+  // The inner CUDA backend if it was created, else null (never creates it).
+  BackendPtr cudaBackendIfCreated();
+  BackendPtr cpuBackend() const { return cpu_; }
+
+  // Plain collectives, forwarded by device.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setGroupUid(const std::string& pg_uid) override;
+  // Splitting is left to torch's generic path (new_group creates a fresh "odc" backend).
+  bool supportsSplitting() const override { return false; }
+
+  void shutdown() override;
+  void abort() override;
+  bool isShutdown() const;
+
+ private:
+  c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const;
+  c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists,
+                           const char* op) const;
+  void checkAlive(const char* op) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  BackendPtr cpu_;
+  BackendFactory cuda_factory_;
+  mutable std::mutex mu_;  // guards cuda_ creation and shutdown state
+  BackendPtr cuda_;
+  bool shutdown_ = false;
+};
+
+}  // namespace torch_odc

@@ -1,0 +1,17 @@
+"""torch-odc: On-Demand Communication for FSDP2 as a c10d backend.
+
+Importing this package registers the "odc" backend with torch.distributed:
+
+    import torch_odc
+    torch.distributed.init_process_group(backend="odc")
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from torch_odc import _C  # noqa: F401
+from torch_odc._backend import BACKEND_NAME, odc_backend, register
+
+register()
+
+__version__ = "0.1.0"
+__all__ = ["BACKEND_NAME", "odc_backend", "register", "__version__"]

@@ -1,0 +1,100 @@
+"""Runs a function in real process groups: N spawned processes, one rank each.
+
+Every rank calls ``fn(rank, world_size, *args)`` after ``init_process_group`` over a FileStore;
+``run_ranks`` returns the per-rank results, or raises with the traceback of every failing rank.
+A hung group is killed after ``timeout`` seconds and reported as such, never left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, backend, store_path, fn, args, results, device_per_rank, env):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import torch_odc  # noqa: F401  (registers "odc")
+
+        if device_per_rank:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with us.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, env=None):
+    """Runs fn on world_size ranks of a fresh process group; returns [result of rank r]."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="odc-test-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, backend, store_path, fn, args, results, cuda, env),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome, failures = {}, []
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(outcome) < world_size:
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                if remaining <= 0:
+                    missing = sorted(set(range(world_size)) - set(outcome))
+                    failures.append(f"ranks {missing} did not finish within {timeout:.0f} s")
+                    break
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in outcome and not p.is_alive()]
+                    # A rank that died without reporting (segfault, os._exit) cannot answer.
+                    if dead and results.empty():
+                        failures.append(
+                            f"ranks {dead} exited with codes "
+                            f"{[procs[r].exitcode for r in dead]} without a result"
+                        )
+                        break
+                    continue
+                outcome[rank] = pickle.loads(value) if ok else value
+                if not ok:
+                    failures.append(f"rank {rank} failed:\n{value}")
+                    # Peers of a failed rank may hang in a collective: give them a moment only.
+                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [outcome[r] for r in range(world_size)]

@@ -1,0 +1,89 @@
+"""Every forwarded collective on "odc" gives the same result (or the same error) as on gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from collective_cases import cases, compare_all
+from multiproc import run_ranks
+
+# Operations gloo itself rejects (odc must reject them the same way); all others must succeed.
+GLOO_REJECTS = {"allreduce_premul_sum", "all_to_all_list"}
+CASE_NAMES = sorted(cases(torch.device("cpu")))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def report(request):
+    world = request.param
+    return world, run_ranks(world, compare_all, "cpu", "gloo")
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_forwarded_collective_matches_gloo(report, name):
+    world, per_rank = report
+    for rank, rep in enumerate(per_rank):
+        diff, kind = rep[name]
+        assert diff is None, f"world {world} rank {rank} {name}: {diff}"
+        expected = "error" if name in GLOO_REJECTS else "ok"
+        assert kind == expected, f"world {world} rank {rank} {name}: odc outcome {kind}"
+
+
+def _backend_facts(rank, world):
+    import torch_odc
+
+    pg = dist.group.WORLD
+    backend = torch_odc.odc_backend(pg)
+    facts = {
+        "name": dist.get_backend(pg),
+        "backend_name": pg._get_backend(torch.device("cpu")).name(),
+        "same_object_for_cuda_key": pg._get_backend(torch.device("cuda")) is backend
+        if hasattr(pg, "_get_backend")
+        else None,
+        "cuda_backend_created": backend.cuda_backend is not None,
+    }
+    dist.destroy_process_group()
+    facts["shutdown_after_destroy"] = backend.is_shutdown
+    return facts
+
+
+def test_backend_identity_and_shutdown():
+    for facts in run_ranks(2, _backend_facts):
+        assert facts["name"] == "odc"
+        assert facts["backend_name"] == "odc"
+        assert facts["same_object_for_cuda_key"] is True
+        assert facts["cuda_backend_created"] is False  # CPU-only use never creates NCCL
+        assert facts["shutdown_after_destroy"] is True
+
+
+def _subgroups(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    if rank % 2 == 0:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=evens)
+        out["evens"] = t.item()
+        out["evens_backend"] = dist.get_backend(evens)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        g = mesh.get_group(dim)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=g)
+        out[dim] = t.item()
+        out[dim + "_ranks"] = dist.get_process_group_ranks(g)
+        out[dim + "_backend"] = dist.get_backend(g)
+    return out
+
+
+def test_new_group_and_2d_device_mesh():
+    world = 4
+    for rank, out in enumerate(run_ranks(world, _subgroups)):
+        if rank % 2 == 0:
+            assert out["evens"] == sum(r for r in range(world) if r % 2 == 0)
+            assert out["evens_backend"] == "odc"
+        for dim in ("dp", "tp"):
+            assert rank in out[dim + "_ranks"]
+            assert out[dim] == float(sum(out[dim + "_ranks"]))
+            assert out[dim + "_backend"] == "odc"
+        assert sorted(out["dp_ranks"]) == [rank % 2, rank % 2 + 2]
+        assert sorted(out["tp_ranks"]) == [2 * (rank // 2), 2 * (rank // 2) + 1]

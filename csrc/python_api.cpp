@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "backend/odc_backend.h"
+#include "balance/planner.h"
 
 namespace py = pybind11;
 
@@ -53,4 +54,54 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("is_shutdown", &torch_odc::OdcBackend::isShutdown);
 
   // ---- balance planner (csrc/balance) ------------------------------------------------------
+  m.def(
+      "_plan_balance",
+      [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens,
+         bool micro) {
+        // One-dimensional, contiguous, 8-byte buffers: int64 lengths and float64 costs.
+        auto view = [](const py::buffer& buf, const char* name, bool floating) {
+          py::buffer_info info = buf.request();
+          const char kind = info.format.empty() ? '\0' : info.format.back();
+          const bool ok_kind = floating ? kind == 'd' : (kind == 'q' || kind == 'l');
+          if (info.ndim != 1 || info.itemsize != 8 || !ok_kind ||
+              (info.size > 1 && info.strides[0] != 8)) {
+            throw py::value_error(std::string("_plan_balance: ") + name +
+                                  " must be a contiguous 1-D " + (floating ? "float64" : "int64") +
+                                  " buffer");
+          }
+          return info;
+        };
+        const py::buffer_info len_info = view(lengths, "lengths", false);
+        const py::buffer_info cost_info = view(costs, "costs", true);
+        if (len_info.size != cost_info.size) {
+          throw py::value_error("_plan_balance: lengths and costs differ in size");
+        }
+        torch_odc::balance::Plan plan;
+        {
+          py::gil_scoped_release no_gil;
+          plan = torch_odc::balance::MakePlan(
+              static_cast<const int64_t*>(len_info.ptr), static_cast<const double*>(cost_info.ptr),
+              static_cast<size_t>(len_info.size), world_size, max_tokens,
+              micro ? torch_odc::balance::Mode::kMicro : torch_odc::balance::Mode::kMini);
+        }
+        py::list ranks;
+        for (const auto& rank : plan.microbatches) {
+          py::list mbs;
+          for (const auto& mb : rank) {
+            py::list idx(mb.size());
+            for (size_t i = 0; i < mb.size(); ++i) idx[i] = py::int_(mb[i]);
+            mbs.append(std::move(idx));
+          }
+          ranks.append(std::move(mbs));
+        }
+        py::list rank_costs;
+        for (double cost : plan.rank_costs) rank_costs.append(cost);
+        py::list oversized;
+        for (int64_t x : plan.oversized) oversized.append(x);
+        return py::make_tuple(ranks, rank_costs, plan.makespan, plan.lower_bound, oversized);
+      },
+      py::arg("lengths"), py::arg("costs"), py::arg("world_size"),
+      py::arg("max_tokens_per_microbatch"), py::arg("micro"),
+      "Plans one minibatch (see torch_odc.balance.plan). Returns (microbatches, rank_costs, "
+      "makespan, lower_bound, oversized). Raises ValueError on bad input.");
 }

@@ -91,6 +91,13 @@ class OdcBackend : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setGroupUid(const std::string& pg_uid) override;
+  // Coalescing (batch_isend_irecv, _coalescing_manager with a device): the device is known only
+  // at the first coalesced op. CUDA ops are coalesced by NCCL (its group semantics are what make
+  // a P2P ring legal); CPU ops run at once on Gloo and endCoalescing returns one Work over them.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   // Splitting is left to torch's generic path (new_group creates a fresh "odc" backend).
   bool supportsSplitting() const override { return false; }
 
@@ -103,6 +110,21 @@ class OdcBackend : public c10d::Backend {
   c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists,
                            const char* op) const;
   void checkAlive(const char* op) const;
+  // The inner backend for an op on `device`, entering the coalescing mode on the first op.
+  BackendPtr route(c10::DeviceType device);
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> forward(c10::DeviceType device, Call&& call) {
+    auto backend = route(device);
+    auto work = call(*backend);
+    if (coalescing_ == Coalescing::kCpu && work) {
+      coalesced_cpu_works_.push_back(work);
+    }
+    return work;
+  }
+
+  enum class Coalescing { kOff, kPending, kCuda, kCpu };
+  Coalescing coalescing_ = Coalescing::kOff;  // touched only by the thread issuing collectives
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;

@@ -497,9 +497,6 @@ bool PackBalanced(const std::vector<int>& by_cost_desc, const std::vector<int>& 
     bins[b].sealed = true;
     ++b;
   }
-  int64_t min_len = std::numeric_limits<int64_t>::max();
-  for (int x : by_cost_desc) min_len = std::min(min_len, len[x]);
-
   auto cheaper = [&](int x, int y) {
     if (bins[x].cost != bins[y].cost) return bins[x].cost > bins[y].cost;
     if (bins[x].items.size() != bins[y].items.size()) {
@@ -509,8 +506,15 @@ bool PackBalanced(const std::vector<int>& by_cost_desc, const std::vector<int>& 
   };
   std::priority_queue<int, std::vector<int>, decltype(cheaper)> heap(cheaper);
   for (; b < num_bins; ++b) heap.push(b);
-  std::vector<int> skipped;
+  // Bins too full for the current sequence wait here, by free tokens, until a sequence short
+  // enough comes; with costs that grow with length each bin is parked about once.
+  using Parked = std::pair<int64_t, int>;
+  std::priority_queue<Parked> parked;
   for (int x : by_cost_desc) {
+    while (!parked.empty() && parked.top().first >= len[x]) {
+      heap.push(parked.top().second);
+      parked.pop();
+    }
     int target = -1;
     while (!heap.empty()) {
       const int t = heap.top();
@@ -519,16 +523,13 @@ bool PackBalanced(const std::vector<int>& by_cost_desc, const std::vector<int>& 
         target = t;
         break;
       }
-      // A bin without room even for the shortest sequence is full for good.
-      if (cap - bins[t].tokens >= min_len) skipped.push_back(t);
+      parked.emplace(cap - bins[t].tokens, t);
     }
     if (target < 0) return false;
     bins[target].cost += c[x];
     bins[target].tokens += len[x];
     bins[target].items.push_back(x);
     heap.push(target);
-    for (int t : skipped) heap.push(t);
-    skipped.clear();
   }
   *out = std::move(bins);
   return true;

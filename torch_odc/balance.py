@@ -1,0 +1,358 @@
+"""Load balancing for on-demand training: the LB-Mini and LB-Micro planners.
+
+A minibatch of variable-length sequences is split over ``world_size`` ranks, and each rank's
+share into microbatches of at most ``max_tokens_per_microbatch`` tokens. The two modes differ in
+when ranks synchronize:
+
+* ``"mini"`` (LB-Mini, what on-demand communication allows): ranks meet once per minibatch, so
+  only each rank's total cost matters; ranks may run different numbers of microbatches.
+  ``makespan`` is the largest rank total.
+* ``"micro"`` (LB-Micro, what collective FSDP needs): ranks meet after every microbatch, so all
+  ranks run the same number of microbatches and ``makespan`` is the sum over microbatch index of
+  the most expensive rank at that index.
+
+The planning runs in C++ (``csrc/balance/planner.cpp``); see ``docs/balance.md`` for the
+algorithms, the cost model and measured quality.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import numbers
+import random
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from torch_odc import _C
+
+__all__ = [
+    "BalancedBatchSampler",
+    "OversizedSequenceWarning",
+    "Plan",
+    "flops_cost",
+    "plan",
+]
+
+CostSpec = str | Callable[[int], float]
+
+_MODES = ("mini", "micro")
+_FLOPS_DEFAULTS = {"num_params": 8e9, "num_layers": 32, "hidden_size": 4096, "training": True}
+
+
+class OversizedSequenceWarning(UserWarning):
+    """A sequence is longer than ``max_tokens_per_microbatch``; it gets a microbatch of its own."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan for one minibatch.
+
+    Attributes:
+        microbatches: ``microbatches[r]`` is rank r's list of microbatches, each a list of
+            indices into the planned ``lengths``, costliest microbatch first.
+        rank_costs: total modeled cost of each rank.
+        makespan: modeled minibatch time under the mode's synchronization (see module doc).
+        lower_bound: ``max(sum(costs) / world_size, max(costs))``; no plan in either mode beats it.
+        mode: ``"mini"`` or ``"micro"``.
+        oversized: indices of sequences longer than the token cap (each alone in a microbatch).
+    """
+
+    microbatches: list
+    rank_costs: list
+    makespan: float
+    lower_bound: float
+    mode: str
+    oversized: tuple = ()
+
+    @property
+    def ratio(self) -> float:
+        """``makespan / lower_bound``: 1.0 is a perfect balance."""
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.microbatches)
+
+
+def flops_cost(
+    length: int,
+    *,
+    num_params: float = 8e9,
+    num_layers: int = 32,
+    hidden_size: int = 4096,
+    training: bool = True,
+) -> float:
+    """Modeled FLOPs of one sequence of ``length`` tokens through a dense decoder.
+
+    ``m * (num_params * L + num_layers * hidden_size * L**2)`` with ``m = 6`` for training
+    (forward 2, backward 4) and ``m = 2`` for a forward pass only. The first term is the dense
+    matmuls (2 FLOPs per parameter per token forward); the second is causal self-attention, whose
+    score and value matmuls cost ``2 * hidden_size * L**2`` per layer forward (``4 * d * L**2``
+    halved by the causal mask). ``num_params`` should exclude embeddings. The defaults describe an
+    8B Llama-like model. See docs/balance.md for the derivation.
+    """
+    m = 6.0 if training else 2.0
+    x = float(length)
+    return m * (num_params * x + num_layers * hidden_size * x * x)
+
+
+def _check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_mode(mode) -> str:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'mini' or 'micro', got {mode!r}")
+    return mode
+
+
+def _lengths_array(lengths) -> array.array:
+    """Validates ``lengths`` and returns them as a contiguous int64 array."""
+    if hasattr(lengths, "tolist") and not isinstance(lengths, (list, tuple)):
+        # numpy arrays and torch tensors: one conversion instead of per-element attribute calls.
+        ndim = getattr(lengths, "ndim", 1)
+        if ndim != 1:
+            raise ValueError(f"lengths must be one-dimensional, got {ndim} dimensions")
+        dtype = str(getattr(lengths, "dtype", ""))
+        if "float" in dtype or "complex" in dtype or "bool" in dtype:
+            raise TypeError(f"lengths must be integers, got dtype {dtype}")
+        lengths = lengths.tolist()
+    try:
+        values = list(lengths)
+    except TypeError:
+        raise TypeError(
+            f"lengths must be a sequence of integers, got {type(lengths).__name__}"
+        ) from None
+    if not values:
+        raise ValueError("lengths must not be empty")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"lengths must be integers, got {v!r} at index {i}")
+        if v < 1:
+            raise ValueError(f"lengths must be positive, got {v} at index {i}")
+    try:
+        return array.array("q", values)
+    except OverflowError:
+        raise ValueError("lengths must fit in int64") from None
+
+
+def _cost_array(lengths: array.array, cost: CostSpec, cost_args: dict) -> array.array:
+    """One modeled cost per sequence, as a float64 array."""
+    if callable(cost):
+        if cost_args:
+            raise TypeError(f"cost_args {sorted(cost_args)} apply to cost='flops' only")
+        fn = cost
+    elif cost == "tokens":
+        if cost_args:
+            raise TypeError(f"cost_args {sorted(cost_args)} apply to cost='flops' only")
+        return array.array("d", lengths)
+    elif cost == "flops":
+        unknown = set(cost_args) - set(_FLOPS_DEFAULTS)
+        if unknown:
+            raise TypeError(
+                f"unknown cost_args {sorted(unknown)} for cost='flops'; "
+                f"expected some of {sorted(_FLOPS_DEFAULTS)}"
+            )
+        args = {**_FLOPS_DEFAULTS, **cost_args}
+        for name in ("num_params", "num_layers", "hidden_size"):
+            v = args[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {v!r}")
+            if not v > 0:
+                raise ValueError(f"{name} must be positive, got {v!r}")
+        m = 6.0 if args["training"] else 2.0
+        a = m * float(args["num_params"])
+        b = m * float(args["num_layers"]) * float(args["hidden_size"])
+        return array.array("d", [(a + b * x) * x for x in lengths])
+    else:
+        raise ValueError(f"cost must be 'tokens', 'flops' or a callable, got {cost!r}")
+    # Lengths repeat a lot in practice; call the user's function once per distinct length.
+    memo: dict = {}
+    out = array.array("d", bytes(8 * len(lengths)))
+    for i, x in enumerate(lengths):
+        c = memo.get(x)
+        if c is None:
+            c = fn(x)
+            if isinstance(c, bool) or not isinstance(c, numbers.Real):
+                raise TypeError(f"cost({x}) must return a real number, got {c!r}")
+            c = float(c)
+            if not math.isfinite(c) or c < 0:
+                raise ValueError(f"cost({x}) must be finite and non-negative, got {c}")
+            memo[x] = c
+        out[i] = c
+    return out
+
+
+def _warn_oversized(count: int, cap: int, stacklevel: int) -> None:
+    warnings.warn(
+        f"{count} sequence(s) longer than max_tokens_per_microbatch={cap}; each is placed alone "
+        f"in its own microbatch",
+        OversizedSequenceWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def _plan_arrays(
+    lengths: array.array, costs: array.array, world_size: int, cap: int, mode: str
+) -> Plan:
+    microbatches, rank_costs, makespan, lower_bound, oversized = _C._plan_balance(
+        lengths, costs, world_size, cap, mode == "micro"
+    )
+    return Plan(microbatches, rank_costs, makespan, lower_bound, mode, tuple(oversized))
+
+
+def plan(
+    lengths: Sequence[int],
+    world_size: int,
+    max_tokens_per_microbatch: int,
+    mode: str = "mini",
+    cost: CostSpec = "tokens",
+    **cost_args,
+) -> Plan:
+    """Plans one minibatch of sequences with the given token ``lengths`` over ``world_size`` ranks.
+
+    Args:
+        lengths: token count of each sequence (positive integers; list, tuple, numpy array or
+            tensor).
+        world_size: number of ranks.
+        max_tokens_per_microbatch: token cap of a microbatch. A longer sequence gets a microbatch
+            of its own and an :class:`OversizedSequenceWarning` is issued.
+        mode: ``"mini"`` (balance each rank's total) or ``"micro"`` (same number of microbatches
+            on every rank, each microbatch index balanced across ranks).
+        cost: ``"tokens"`` (cost = L), ``"flops"`` (see :func:`flops_cost`; ``cost_args`` may set
+            ``num_params``, ``num_layers``, ``hidden_size``, ``training``) or a callable
+            ``L -> cost`` returning a finite non-negative number.
+
+    Returns:
+        A :class:`Plan`. Every index appears exactly once; every rank gets at least one sequence
+        when there are at least ``world_size`` of them. In ``"mini"`` mode a rank without
+        sequences has no microbatches; in ``"micro"`` mode every rank has the same number of
+        microbatches and one is empty only when there are fewer sequences than microbatches in
+        total. The result depends only on the inputs.
+
+    Raises:
+        ValueError: empty ``lengths``, a length below 1, ``world_size`` or
+            ``max_tokens_per_microbatch`` below 1, an unknown mode or cost name, or a negative or
+            non-finite cost.
+        TypeError: a length, ``world_size`` or cap that is not an integer, a cost callable that
+            does not return a number, or unknown ``cost_args``.
+    """
+    lens = _lengths_array(lengths)
+    world_size = _check_positive_int(world_size, "world_size")
+    cap = _check_positive_int(max_tokens_per_microbatch, "max_tokens_per_microbatch")
+    mode = _check_mode(mode)
+    costs = _cost_array(lens, cost, cost_args)
+    result = _plan_arrays(lens, costs, world_size, cap, mode)
+    if result.oversized:
+        _warn_oversized(len(result.oversized), cap, stacklevel=2)
+    return result
+
+
+class BalancedBatchSampler:
+    """Yields one rank's balanced microbatches for each minibatch of a dataset.
+
+    Each epoch the dataset indices are shuffled with a generator seeded from ``(seed, epoch)``
+    (never Python's salted ``hash``), cut into minibatches of ``sequences_per_minibatch``
+    sequences, and each minibatch is planned with :func:`plan`. Every rank builds the same
+    sampler with its own ``rank`` and computes the same global plan, so no communication is
+    needed; iterating yields, per step, this rank's list of microbatches, each a list of dataset
+    indices.
+
+    Args:
+        lengths: token count of every sequence in the dataset.
+        world_size: number of ranks.
+        rank: this rank, ``0 <= rank < world_size``.
+        sequences_per_minibatch: number of sequences in one minibatch, over all ranks together
+            (the global batch size in sequences, not a per-rank count).
+        max_tokens_per_microbatch: token cap of a microbatch.
+        mode: ``"mini"`` or ``"micro"``, as in :func:`plan`.
+        seed: shuffling seed; must be the same on every rank.
+        shuffle: shuffle the dataset each epoch (otherwise minibatches follow index order).
+        drop_last: drop the final minibatch when it has fewer than ``sequences_per_minibatch``
+            sequences. When kept, a small last minibatch can leave a rank with no sequence (an
+            empty list in ``"mini"``, empty microbatches in ``"micro"``); that rank must still take
+            part in the step's gradient synchronization.
+        cost, cost_args: the cost model, as in :func:`plan`.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        world_size: int,
+        rank: int,
+        sequences_per_minibatch: int,
+        max_tokens_per_microbatch: int,
+        mode: str = "mini",
+        seed: int = 0,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        cost: CostSpec = "tokens",
+        **cost_args,
+    ) -> None:
+        self._lengths = _lengths_array(lengths)
+        self.world_size = _check_positive_int(world_size, "world_size")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise TypeError(f"rank must be an integer, got {rank!r}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        self.rank = int(rank)
+        self.sequences_per_minibatch = _check_positive_int(
+            sequences_per_minibatch, "sequences_per_minibatch"
+        )
+        self.max_tokens_per_microbatch = _check_positive_int(
+            max_tokens_per_microbatch, "max_tokens_per_microbatch"
+        )
+        self.mode = _check_mode(mode)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an integer, got {seed!r}")
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self._costs = _cost_array(self._lengths, cost, cost_args)
+        self.epoch = 0
+        self.last_plan: Plan | None = None
+        oversized = sum(1 for x in self._lengths if x > self.max_tokens_per_microbatch)
+        if oversized:
+            _warn_oversized(oversized, self.max_tokens_per_microbatch, stacklevel=2)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch that seeds the shuffle, like ``DistributedSampler.set_epoch``."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        n, b = len(self._lengths), self.sequences_per_minibatch
+        return n // b if self.drop_last else -(-n // b)
+
+    def minibatches(self) -> list[list[int]]:
+        """This epoch's minibatches as lists of dataset indices (identical on every rank)."""
+        order = list(range(len(self._lengths)))
+        if self.shuffle:
+            # A str seed goes through SHA-512, so the stream is the same in every process.
+            random.Random(f"torch_odc.balance:{self.seed}:{self.epoch}").shuffle(order)
+        b = self.sequences_per_minibatch
+        return [order[s : s + b] for s in range(0, len(self) * b, b)]
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        for indices in self.minibatches():
+            lens = array.array("q", (self._lengths[i] for i in indices))
+            costs = array.array("d", (self._costs[i] for i in indices))
+            local = _plan_arrays(
+                lens, costs, self.world_size, self.max_tokens_per_microbatch, self.mode
+            )
+            global_mbs = [[[indices[i] for i in mb] for mb in rank] for rank in local.microbatches]
+            self.last_plan = Plan(
+                global_mbs,
+                local.rank_costs,
+                local.makespan,
+                local.lower_bound,
+                local.mode,
+                tuple(indices[i] for i in local.oversized),
+            )
+            yield global_mbs[self.rank]

@@ -1,0 +1,106 @@
+// The ODC engine: keys, epochs, shard-cache bookkeeping, push bookkeeping and the minibatch
+// barrier protocol. It knows nothing about which transport moves the bytes.
+//
+// Epoch e is minibatch e (from 1). Within an epoch:
+//  - gather(K): the first gather of K publishes this rank's shard (cache fill, then flag := e);
+//    every gather reads each peer's shard after waiting for that peer's flag to reach e.
+//  - push(K): adds chunk j of the input into rank j's accumulator of K, marks K pushed at j.
+// Barrier of epoch e:
+//  - arrive(): this rank's pushes are complete (quiesce), then arrived := e; wait until every
+//    rank has arrived. After this no rank pushes into epoch e any more, so the accumulators are
+//    final and may be read (finalize).
+//  - release(): zero the accumulators, released := e, wait until every rank has released,
+//    epoch := e + 1. The second phase keeps a fast rank's epoch e+1 pushes out of a slow rank's
+//    accumulator until that rank has finalized and zeroed it, and keeps shard caches from being
+//    republished while a peer could still read epoch e.
+// Why no wait deadlocks: a gather in epoch e waits only for a peer's publish in epoch e, which
+// the peer makes at its first gather of the key or, at the latest, before it arrives at the
+// barrier (the caller publishes every unpublished key first, in key order); barrier waits need
+// every rank to call the barrier. A rank that never does makes its peers time out with an error
+// naming it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/layout.h"
+#include "engine/transport.h"
+
+namespace torch_odc {
+
+struct EngineStats {
+  uint64_t keyed_gathers = 0;
+  uint64_t keyed_reduce_scatters = 0;
+  uint64_t publishes = 0;
+  uint64_t bytes_fetched = 0;
+  uint64_t bytes_pushed = 0;
+  double publish_wait_s = 0;  // time spent waiting for peers' publishes
+  double barrier_s = 0;       // time inside the minibatch barrier
+  uint64_t minibatches = 0;
+
+  void add(const EngineStats& o);
+};
+
+class Engine {
+ public:
+  Engine(int rank, int world, std::chrono::milliseconds timeout,
+         std::unique_ptr<Transport> transport);
+  ~Engine();
+
+  // Collective: checks that every rank registers the same keys, then connects the transport.
+  void connect(Rendezvous& rdv, const std::string& prefix, std::vector<KeySpec> keys);
+  void close();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  uint64_t epoch() const { return epoch_; }
+  const RegionLayout& layout() const { return layout_; }
+  Transport& transport() { return *transport_; }
+  size_t keyIndex(const std::string& name) const;
+
+  // Keyed all-gather: `in` is this rank's shard (in_bytes), `out` receives world shards.
+  void gather(size_t key, void* out, const void* in, size_t in_bytes, size_t out_bytes,
+              DType dtype, Stream stream);
+  // Publishes `in` for `key` if not yet published in this epoch; reads nothing.
+  void publish(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
+  // Keyed reduce-scatter: adds scale * chunk j of `in` (world * accum_numel elements) into rank
+  // j's accumulator of `key`.
+  void push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,
+            Stream stream);
+
+  bool publishedThisEpoch(size_t key) const;
+  // Barrier phase 1 (see above). After it, pushedThisEpoch/accumulator describe final sums.
+  void arrive(Stream stream);
+  bool pushedThisEpoch(size_t key);
+  void* accumulator(size_t key);
+  // Barrier phase 2: zero accumulators, wait for every rank, advance the epoch.
+  void release(Stream stream);
+
+  EngineStats lastStats() const;
+  EngineStats totalStats() const;
+  EngineStats currentStats() const;
+
+ private:
+  std::string where(size_t key) const;
+  void checkKey(size_t key, const char* op) const;
+  void publishLocked(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
+  void waitAll(size_t control_offset, const char* phase);
+  WaitContext context(std::function<std::string()> describe) const;
+
+  const int rank_;
+  const int world_;
+  const std::chrono::milliseconds timeout_;
+  std::unique_ptr<Transport> transport_;
+  RegionLayout layout_;
+  bool connected_ = false;
+  bool arrived_ = false;
+  uint64_t epoch_ = 1;
+  std::vector<uint64_t> published_;  // epoch in which this rank last published each key
+  mutable std::mutex mu_;
+  EngineStats current_, last_, total_;
+};
+
+}  // namespace torch_odc

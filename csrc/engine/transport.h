@@ -1,0 +1,67 @@
+// What the engine needs from a transport. The engine decides *what* moves *where* (offsets in
+// the region layout, epochs, order); a transport decides *how* (memcpy over shared memory, copy
+// engines and kernels over CUDA IPC). Data-path calls take a Stream: a transport may run them
+// asynchronously on it, provided it preserves their order on that stream.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "engine/layout.h"
+#include "engine/rendezvous.h"
+#include "engine/types.h"
+
+namespace torch_odc {
+
+// What a wait needs to fail well: when to give up, and how to say what was awaited.
+struct WaitContext {
+  Clock::time_point deadline;
+  std::function<std::string()> describe;  // e.g. "peer rank 3 to publish key 'layers.0' ..."
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+
+  // Collective over the group: create this rank's region with `layout`, export it through
+  // `rdv` under `prefix`, import every peer's. Regions start zeroed.
+  virtual void connect(Rendezvous& rdv, const std::string& prefix, const RegionLayout& layout,
+                       std::chrono::milliseconds timeout) = 0;
+  // Unmaps everything; idempotent.
+  virtual void close() = 0;
+
+  // ---- data path (ordered on `stream`) ----
+  // Copies local memory into the own region (the shard cache fill).
+  virtual void writeLocal(size_t offset, const void* src, size_t bytes, Stream stream) = 0;
+  // Makes the preceding writes visible, then stores `value` into the own flag at `offset`.
+  virtual void publish(size_t flag_offset, uint64_t value, Stream stream) = 0;
+  // Waits until the peer's flag at `offset` is >= value, ordering later reads after it.
+  virtual void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
+                        Stream stream) = 0;
+  // One-sided read from a peer's region.
+  virtual void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) = 0;
+  // One-sided accumulate: peer.accum[offset..] += scale * src[0..numel), safe under concurrent
+  // pushers into the same peer buffer. `locks_offset` addresses the key's lock words.
+  virtual void accumulate(int peer, size_t offset, size_t locks_offset, const void* src,
+                          size_t numel, DType dtype, double scale, Stream stream) = 0;
+  // Stores `value` into a peer's flag (no ordering beyond the preceding accumulates).
+  virtual void markPeer(int peer, size_t flag_offset, uint64_t value, Stream stream) = 0;
+  // Returns once every data-path operation issued on `stream` has completed everywhere.
+  virtual void quiesce(Stream stream) = 0;
+
+  // ---- host control (barrier words; always host-visible) ----
+  virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release
+  virtual uint64_t loadControl(int peer, size_t offset) = 0;      // acquire
+  virtual uint64_t loadLocalFlag(size_t offset) = 0;             // own data-region flag
+  // Host pointer to the own region at `offset` (for CPU; device pointer for device transports).
+  virtual void* localPointer(size_t offset) = 0;
+  virtual void zeroLocal(size_t offset, size_t bytes, Stream stream) = 0;
+  // False once the peer process is known to be gone.
+  virtual bool peerAlive(int peer) = 0;
+};
+
+}  // namespace torch_odc

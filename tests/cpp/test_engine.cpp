@@ -1,0 +1,333 @@
+// The engine and the shared-memory transport across real processes (fork): keyed gather,
+// concurrent push-accumulate, the two-phase minibatch barrier, and the errors users see.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
+
+#include "engine/engine.h"
+#include "transport/shm/shm_transport.h"
+
+namespace fs = std::filesystem;
+using namespace torch_odc;
+
+namespace {
+
+// A rendezvous over files in a directory (the backend uses the c10d Store instead).
+class FileRendezvous : public Rendezvous {
+ public:
+  explicit FileRendezvous(fs::path dir) : dir_(std::move(dir)) {}
+  void set(const std::string& key, const std::string& value) override {
+    const auto path = file(key);
+    const auto tmp = path.string() + ".tmp" + std::to_string(::getpid());
+    std::ofstream(tmp, std::ios::binary) << value;
+    fs::rename(tmp, path);
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    const auto path = file(key);
+    while (!fs::exists(path)) {
+      if (Clock::now() > deadline) throw OdcTimeout("rendezvous timeout on " + key);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+
+ private:
+  fs::path file(std::string key) const {
+    for (auto& c : key) {
+      if (c == '/') c = '_';
+    }
+    return dir_ / key;
+  }
+  fs::path dir_;
+};
+
+#define REQUIRE(cond)                                                                          \
+  do {                                                                                         \
+    if (!(cond)) throw std::runtime_error(std::string("requirement failed: ") + #cond + " at " \
+                                          + __FILE__ + ":" + std::to_string(__LINE__));        \
+  } while (0)
+
+// Runs body(rank, rdv) in `world` forked processes; returns each child's failure text ("" = ok).
+std::vector<std::string> runRanks(int world, const std::function<void(int, Rendezvous&)>& body) {
+  const auto dir = fs::temp_directory_path() /
+                   ("odc-gtest-" + std::to_string(::getpid()) + "-" +
+                    std::to_string(Clock::now().time_since_epoch().count()));
+  fs::create_directories(dir);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      std::string failure;
+      try {
+        FileRendezvous rdv(dir);
+        body(r, rdv);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      std::ofstream(dir / ("result-" + std::to_string(r))) << (failure.empty() ? "ok" : failure);
+      ::_exit(failure.empty() ? 0 : 1);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<std::string> out(world);
+  for (int r = 0; r < world; ++r) {
+    int status = 0;
+    ::waitpid(pids[r], &status, 0);
+    std::ifstream in(dir / ("result-" + std::to_string(r)));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    out[r] = ss.str() == "ok" ? "" : ("rank " + std::to_string(r) + ": " + ss.str() +
+                                      " (exit status " + std::to_string(status) + ")");
+  }
+  fs::remove_all(dir);
+  return out;
+}
+
+void expectAllOk(const std::vector<std::string>& results) {
+  for (const auto& r : results) EXPECT_EQ(r, "");
+}
+
+std::vector<KeySpec> twoKeys() {
+  return {KeySpec{"layers.0", 1000, DType::kFloat32, 1000, DType::kFloat32},
+          KeySpec{"layers.1", 37, DType::kFloat32, 37, DType::kFloat32}};
+}
+
+float shardValue(int rank, size_t key, uint64_t epoch, size_t i) {
+  return static_cast<float>(rank * 1000 + key * 100 + epoch * 10) + static_cast<float>(i) * 0.5f;
+}
+
+std::unique_ptr<Engine> makeEngine(int rank, int world, Rendezvous& rdv,
+                                   std::vector<KeySpec> keys,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  auto engine = std::make_unique<Engine>(rank, world, timeout,
+                                         std::make_unique<ShmTransport>(rank, world));
+  engine->connect(rdv, "t", std::move(keys));
+  return engine;
+}
+
+}  // namespace
+
+TEST(Engine, GatherReadsEveryPeersPublishedShardAcrossEpochs) {
+  for (int world : {2, 4}) {
+    expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
+      auto e = makeEngine(rank, world, rdv, twoKeys());
+      for (uint64_t epoch = 1; epoch <= 3; ++epoch) {
+        REQUIRE(e->epoch() == epoch);
+        for (size_t k = 0; k < 2; ++k) {
+          const size_t n = e->layout().key(k).shard_numel;
+          std::vector<float> out(n * world, -1.0f);
+          std::vector<float> in(n);
+          for (size_t i = 0; i < n; ++i) in[i] = shardValue(rank, k, epoch, i);
+          for (int repeat = 0; repeat < 2; ++repeat) {  // later gathers reuse the publish
+            e->gather(k, out.data(), in.data(), n * 4, out.size() * 4, DType::kFloat32, nullptr);
+            for (int r = 0; r < world; ++r) {
+              for (size_t i = 0; i < n; ++i) REQUIRE(out[r * n + i] == shardValue(r, k, epoch, i));
+            }
+          }
+        }
+        e->arrive(nullptr);
+        e->release(nullptr);
+      }
+      REQUIRE(e->totalStats().minibatches == 3);
+      REQUIRE(e->totalStats().publishes == 6);
+      REQUIRE(e->totalStats().keyed_gathers == 12);
+    }));
+  }
+}
+
+TEST(Engine, ConcurrentPushesAccumulateExactlyWithUnevenMicrobatchCounts) {
+  const int world = 4;
+  expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
+    // A large key (several lock blocks) and a small one.
+    const size_t big = RegionLayout::kLockBlockElems * 3 + 5;
+    std::vector<KeySpec> keys{{"big", big, DType::kFloat32, big, DType::kFloat32},
+                              {"small", 3, DType::kFloat32, 3, DType::kFloat32}};
+    auto e = makeEngine(rank, world, rdv, keys);
+    for (uint64_t epoch = 1; epoch <= 2; ++epoch) {
+      // rank r runs (r + epoch) % 3 microbatches: some rank runs none.
+      auto microbatches = [&](int r) { return static_cast<int>((r + epoch) % 3); };
+      for (int mb = 0; mb < microbatches(rank); ++mb) {
+        for (size_t k = 0; k < 2; ++k) {
+          const size_t n = keys[k].accum_numel;
+          std::vector<float> in(n * world);
+          for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>((rank + 1) * (mb + 1));
+          e->push(k, in.data(), in.size(), DType::kFloat32, 0.5, nullptr);
+        }
+      }
+      std::vector<std::vector<float>> shards{std::vector<float>(big), std::vector<float>(3)};
+      for (size_t k = 0; k < 2; ++k) {
+        e->publish(k, shards[k].data(), shards[k].size() * 4, DType::kFloat32, nullptr);
+      }
+      e->arrive(nullptr);
+      float expected = 0;
+      bool any = false;
+      for (int r = 0; r < world; ++r) {
+        for (int mb = 0; mb < microbatches(r); ++mb) {
+          expected += 0.5f * static_cast<float>((r + 1) * (mb + 1));
+          any = true;
+        }
+      }
+      for (size_t k = 0; k < 2; ++k) {
+        REQUIRE(e->pushedThisEpoch(k) == any);
+        const auto* acc = static_cast<const float*>(e->accumulator(k));
+        for (size_t i = 0; i < keys[k].accum_numel; ++i) REQUIRE(acc[i] == expected);
+      }
+      // Peers may push minibatch 2 as soon as release returns: the exact sums checked in
+      // minibatch 2 are what show the accumulators were zeroed in between.
+      e->release(nullptr);
+    }
+  }));
+}
+
+TEST(Engine, WaitingForAnUnpublishedShardTimesOutNamingPeerKeyAndMinibatch) {
+  const auto results = runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys(), std::chrono::milliseconds(300));
+    if (rank == 1) {
+      rdv.get("rank0-done", std::chrono::seconds(20));  // never publishes before rank 0 gives up
+      return;
+    }
+    std::vector<float> in(1000), out(2000);
+    try {
+      e->gather(0, out.data(), in.data(), 4000, 8000, DType::kFloat32, nullptr);
+    } catch (const OdcTimeout& err) {
+      const std::string msg = err.what();
+      rdv.set("rank0-done", "1");
+      REQUIRE(msg.find("rank 0") != std::string::npos);
+      REQUIRE(msg.find("peer rank 1") != std::string::npos);
+      REQUIRE(msg.find("'layers.0'") != std::string::npos);
+      REQUIRE(msg.find("minibatch 1") != std::string::npos);
+      return;
+    }
+    rdv.set("rank0-done", "1");
+    throw std::runtime_error("gather did not time out");
+  });
+  expectAllOk(results);
+}
+
+TEST(Engine, BarrierTimesOutNamingTheRankThatNeverArrives) {
+  expectAllOk(runRanks(3, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 3, rdv, twoKeys(), std::chrono::milliseconds(300));
+    std::vector<std::vector<float>> shards{std::vector<float>(1000), std::vector<float>(37)};
+    if (rank == 2) {  // skips the barrier
+      rdv.get("others-done/0", std::chrono::seconds(20));
+      rdv.get("others-done/1", std::chrono::seconds(20));
+      return;
+    }
+    for (size_t k = 0; k < 2; ++k) e->publish(k, shards[k].data(), shards[k].size() * 4,
+                                              DType::kFloat32, nullptr);
+    try {
+      e->arrive(nullptr);
+    } catch (const OdcTimeout& err) {
+      rdv.set("others-done/" + std::to_string(rank), "1");
+      REQUIRE(std::string(err.what()).find("peer rank 2") != std::string::npos);
+      REQUIRE(std::string(err.what()).find("minibatch 1") != std::string::npos);
+      return;
+    }
+    rdv.set("others-done/" + std::to_string(rank), "1");
+    throw std::runtime_error("barrier did not time out");
+  }));
+}
+
+TEST(Engine, APeerThatDiesIsReportedBeforeTheTimeout) {
+  const auto results = runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys(), std::chrono::seconds(60));
+    if (rank == 1) ::_exit(0);  // dies without publishing (its result file stays absent)
+    std::vector<float> in(1000), out(2000);
+    const auto t0 = Clock::now();
+    try {
+      e->gather(0, out.data(), in.data(), 4000, 8000, DType::kFloat32, nullptr);
+    } catch (const OdcError& err) {
+      REQUIRE(std::string(err.what()).find("exited") != std::string::npos);
+      REQUIRE(Clock::now() - t0 < std::chrono::seconds(10));
+      return;
+    }
+    throw std::runtime_error("gather from a dead peer did not fail");
+  });
+  EXPECT_EQ(results[0], "");  // rank 1 died on purpose
+}
+
+TEST(Engine, DifferentModelsOnDifferentRanksAreRejected) {
+  expectAllOk(runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto keys = twoKeys();
+    if (rank == 1) keys[1].shard_numel += 1;
+    try {
+      makeEngine(rank, 2, rdv, keys, std::chrono::seconds(5));
+    } catch (const OdcError& err) {
+      REQUIRE(std::string(err.what()).find("layers.1") != std::string::npos);
+      return;
+    }
+    throw std::runtime_error("mismatched keys accepted");
+  }));
+}
+
+TEST(Engine, WrongSizeOrDtypeIsAClearError) {
+  expectAllOk(runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys());
+    std::vector<float> in(1001), out(2002);
+    bool threw = false;
+    try {
+      e->gather(0, out.data(), in.data(), 4004, 8008, DType::kFloat32, nullptr);
+    } catch (const OdcError& err) {
+      threw = std::string(err.what()).find("4000 bytes") != std::string::npos;
+    }
+    REQUIRE(threw);
+    threw = false;
+    try {
+      e->push(1, in.data(), 74, DType::kBFloat16, 1.0, nullptr);
+    } catch (const OdcError& err) {
+      threw = std::string(err.what()).find("bfloat16") != std::string::npos;
+    }
+    REQUIRE(threw);
+  }));
+}
+
+TEST(Engine, NoSharedMemoryIsLeftBehind) {
+  std::vector<std::string> before;
+  for (const auto& p : fs::directory_iterator("/dev/shm")) before.push_back(p.path().string());
+  expectAllOk(runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys());
+    REQUIRE(!fs::exists("/dev/shm" + dynamic_cast<ShmTransport&>(e->transport()).regionName()));
+  }));
+  size_t odc_after = 0;
+  for (const auto& p : fs::directory_iterator("/dev/shm")) {
+    if (p.path().filename().string().rfind("odc-", 0) == 0 &&
+        std::find(before.begin(), before.end(), p.path().string()) == before.end()) {
+      ++odc_after;
+    }
+  }
+  EXPECT_EQ(odc_after, 0u);
+}
+
+TEST(AccumulateCpu, HalfPrecisionRoundsLikeFloatThenOnce) {
+  // bf16: 1 + 2^-9 is not representable; 1.0 + 0.5 * 2^-8 rounds to even (1.0).
+  uint16_t d = 0x3f80, s = 0x3b80;  // 1.0, 2^-8
+  accumulateCpu(&d, &s, 1, DType::kBFloat16, 0.5);
+  EXPECT_EQ(d, 0x3f80);
+  accumulateCpu(&d, &s, 1, DType::kBFloat16, 1.0);  // 1 + 2^-8 -> 0x3f81? 2^-7 is 1 ulp: ties
+  float f = 1.0f + std::ldexp(1.0f, -8);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  EXPECT_EQ(d, rounded);
+  // fp16: 1.0 + 1.0 = 2.0 ; 65504 + 65504 overflows to inf; a subnormal survives.
+  uint16_t h = 0x3c00, hs = 0x3c00;
+  accumulateCpu(&h, &hs, 1, DType::kFloat16, 1.0);
+  EXPECT_EQ(h, 0x4000);
+  uint16_t big = 0x7bff, bigs = 0x7bff;
+  accumulateCpu(&big, &bigs, 1, DType::kFloat16, 1.0);
+  EXPECT_EQ(big, 0x7c00);
+  uint16_t sub = 0x0001, subs = 0x0001;  // 2^-24 + 2^-24 = 2^-23
+  accumulateCpu(&sub, &subs, 1, DType::kFloat16, 1.0);
+  EXPECT_EQ(sub, 0x0002);
+}

@@ -29,6 +29,43 @@ torch_odc::OdcBackend::BackendFactory wrapBackendFactory(py::object fn) {
   };
 }
 
+torch_odc::DType dtypeFromName(const std::string& name) {
+  if (name == "float32") return torch_odc::DType::kFloat32;
+  if (name == "bfloat16") return torch_odc::DType::kBFloat16;
+  if (name == "float16") return torch_odc::DType::kFloat16;
+  if (name == "float64") return torch_odc::DType::kFloat64;
+  throw std::invalid_argument("odc: unsupported dtype " + name);
+}
+
+at::ScalarType scalarType(torch_odc::DType t) {
+  switch (t) {
+    case torch_odc::DType::kFloat32:
+      return at::kFloat;
+    case torch_odc::DType::kBFloat16:
+      return at::kBFloat16;
+    case torch_odc::DType::kFloat16:
+      return at::kHalf;
+    case torch_odc::DType::kFloat64:
+      return at::kDouble;
+    case torch_odc::DType::kByte:
+      return at::kByte;
+  }
+  return at::kByte;
+}
+
+py::dict statsDict(const torch_odc::EngineStats& s) {
+  py::dict d;
+  d["minibatches"] = s.minibatches;
+  d["keyed_gathers"] = s.keyed_gathers;
+  d["keyed_reduce_scatters"] = s.keyed_reduce_scatters;
+  d["publishes"] = s.publishes;
+  d["bytes_fetched"] = s.bytes_fetched;
+  d["bytes_pushed"] = s.bytes_pushed;
+  d["publish_wait_s"] = s.publish_wait_s;
+  d["barrier_s"] = s.barrier_s;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -51,7 +88,82 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("timeout", &torch_odc::OdcBackend::timeout)
       .def_property_readonly("cpu_backend", &torch_odc::OdcBackend::cpuBackend)
       .def_property_readonly("cuda_backend", &torch_odc::OdcBackend::cudaBackendIfCreated)
-      .def_property_readonly("is_shutdown", &torch_odc::OdcBackend::isShutdown);
+      .def_property_readonly("is_shutdown", &torch_odc::OdcBackend::isShutdown)
+      // On-demand engine (used by torch_odc.attach / minibatch_barrier; private API).
+      .def(
+          "_connect_engine",
+          [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys) {
+            std::vector<torch_odc::KeySpec> specs;
+            for (const auto& k : keys) {
+              specs.push_back(torch_odc::KeySpec{
+                  k[0].cast<std::string>(), k[1].cast<size_t>(),
+                  dtypeFromName(k[2].cast<std::string>()), k[3].cast<size_t>(),
+                  dtypeFromName(k[4].cast<std::string>())});
+            }
+            py::gil_scoped_release nogil;
+            self.connectEngine(specs);
+          },
+          py::arg("keys"))
+      .def("_disconnect_engine", &torch_odc::OdcBackend::disconnectEngine,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("_has_engine", &torch_odc::OdcBackend::hasEngine)
+      .def_property_readonly("_epoch",
+                             [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
+      .def("_published",
+           [](torch_odc::OdcBackend& self, size_t key) {
+             return self.engine("published").publishedThisEpoch(key);
+           })
+      .def(
+          "_arrive",
+          [](torch_odc::OdcBackend& self) {
+            auto& e = self.engine("minibatch barrier");
+            try {
+              e.arrive(nullptr);
+            } catch (const torch_odc::OdcError& err) {
+              throw std::runtime_error(err.what());
+            }
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("_pushed",
+           [](torch_odc::OdcBackend& self, size_t key) {
+             return self.engine("pushed").pushedThisEpoch(key);
+           })
+      .def("_accumulator",
+           [](torch_odc::OdcBackend& self, size_t key) {
+             auto& e = self.engine("accumulator");
+             const auto& spec = e.layout().key(key);
+             return torch::from_blob(e.accumulator(key), {static_cast<int64_t>(spec.accum_numel)},
+                                     torch::TensorOptions().dtype(scalarType(spec.reduce_dtype)));
+           })
+      .def(
+          "_release",
+          [](torch_odc::OdcBackend& self) {
+            auto& e = self.engine("minibatch barrier");
+            try {
+              e.release(nullptr);
+            } catch (const torch_odc::OdcError& err) {
+              throw std::runtime_error(err.what());
+            }
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("_stats", [](torch_odc::OdcBackend& self) {
+        auto& e = self.engine("stats");
+        py::dict d;
+        d["rank"] = e.rank();
+        d["minibatch"] = e.epoch();
+        d["current"] = statsDict(e.currentStats());
+        d["last"] = statsDict(e.lastStats());
+        d["total"] = statsDict(e.totalStats());
+        return d;
+      });
+
+  m.def(
+      "_set_keyed_call",
+      [](int key, bool publish_only) {
+        torch_odc::currentKeyedCall() = torch_odc::KeyedCall{key, publish_only};
+      },
+      py::arg("key"), py::arg("publish_only") = false,
+      "Marks this thread's next collectives as keyed calls of `key` (-1: ordinary).");
 
   // ---- balance planner (csrc/balance) ------------------------------------------------------
   m.def(

@@ -9,9 +9,19 @@ Importing this package registers the "odc" backend with torch.distributed:
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from torch_odc import _C  # noqa: F401
+from torch_odc._attach import Handle, attach, minibatch_barrier, stats
 from torch_odc._backend import BACKEND_NAME, odc_backend, register
 
 register()
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "odc_backend", "register", "__version__"]
+__all__ = [
+    "BACKEND_NAME",
+    "Handle",
+    "attach",
+    "minibatch_barrier",
+    "odc_backend",
+    "register",
+    "stats",
+    "__version__",
+]

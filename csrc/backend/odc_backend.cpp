@@ -1,6 +1,9 @@
 #include "backend/odc_backend.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "transport/shm/shm_transport.h"
 
 namespace torch_odc {
 
@@ -209,6 +212,9 @@ WorkPtr OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
 
 WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                     const c10d::AllgatherOptions& opts) {
+  if (const int key = currentKeyedCall().key; key >= 0) {
+    return keyedAllgather(key, output, input);
+  }
   return forward(input.device().type(), [&](c10d::Backend& b) { return b._allgather_base(output, input, opts); });
 }
 
@@ -243,6 +249,9 @@ WorkPtr OdcBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
 
 WorkPtr OdcBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                          const c10d::ReduceScatterOptions& opts) {
+  if (const int key = currentKeyedCall().key; key >= 0) {
+    return keyedReduceScatter(key, output, input, opts);
+  }
   return forward(input.device().type(), [&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); });
 }
 
@@ -309,6 +318,176 @@ void OdcBackend::setGroupUid(const std::string& pg_uid) {
   }
 }
 
+// ---- on-demand mode ------------------------------------------------------------------------
+
+KeyedCall& currentKeyedCall() {
+  thread_local KeyedCall call;
+  return call;
+}
+
+DType toOdcDtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kDouble:
+      return DType::kFloat64;
+    case at::kByte:
+      return DType::kByte;
+    default:
+      TORCH_CHECK(false, "odc: dtype ", t, " is not supported for on-demand communication");
+  }
+}
+
+namespace {
+
+// c10d::Store as the engine's rendezvous.
+class StoreRendezvous : public Rendezvous {
+ public:
+  explicit StoreRendezvous(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    store_->wait({key}, timeout);
+    const auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// Keyed operations on the CPU complete before they return.
+class CompletedWork : public c10d::Work {
+ public:
+  CompletedWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type), outputs_(std::move(outputs)) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// Translates c10d errors of the engine into c10::Error with the same text.
+template <typename F>
+void engineCall(F&& f) {
+  try {
+    f();
+  } catch (const OdcTimeout& e) {
+    TORCH_CHECK(false, e.what());
+  } catch (const OdcError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
+void OdcBackend::connectEngine(const std::vector<KeySpec>& keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": attach after shutdown");
+  TORCH_CHECK(!engine_, "odc: rank ", rank_,
+              ": a model is already attached to this process group; detach it first");
+  auto engine = std::make_unique<Engine>(rank_, size_, timeout_,
+                                         std::make_unique<ShmTransport>(rank_, size_));
+  StoreRendezvous rdv(store_);
+  engineCall([&] {
+    engine->connect(rdv, "odc/engine/" + std::to_string(engine_generation_++), keys);
+  });
+  engine_ = std::move(engine);
+}
+
+void OdcBackend::disconnectEngine() {
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_.reset();
+}
+
+bool OdcBackend::hasEngine() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_ != nullptr;
+}
+
+Engine& OdcBackend::engine(const char* op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(engine_, "odc: rank ", rank_, ": ", op,
+              " needs a model attached with torch_odc.attach(model) on this process group");
+  return *engine_;
+}
+
+WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
+  auto& eng = engine("keyed all-gather");
+  TORCH_CHECK(input.device().is_cpu() && output.device().is_cpu(), "odc: rank ", rank_,
+              ": keyed all-gather of key '", eng.layout().key(static_cast<size_t>(key)).name,
+              "' on ", input.device(), ": only the CPU transport exists in this build");
+  TORCH_CHECK(input.is_contiguous() && output.is_contiguous() &&
+                  input.scalar_type() == output.scalar_type(),
+              "odc: rank ", rank_, ": keyed all-gather needs contiguous tensors of one dtype");
+  const auto dtype = toOdcDtype(input.scalar_type());
+  const size_t in_bytes = input.numel() * input.element_size();
+  engineCall([&] {
+    if (currentKeyedCall().publish_only) {
+      eng.publish(static_cast<size_t>(key), input.data_ptr(), in_bytes, dtype, nullptr);
+    } else {
+      eng.gather(static_cast<size_t>(key), output.data_ptr(), input.data_ptr(), in_bytes,
+                 output.numel() * output.element_size(), dtype, nullptr);
+    }
+  });
+  return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::_ALLGATHER_BASE,
+                                            std::vector<at::Tensor>{output});
+}
+
+WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
+                                       const c10d::ReduceScatterOptions& opts) {
+  auto& eng = engine("keyed reduce-scatter");
+  const auto& name = eng.layout().key(static_cast<size_t>(key)).name;
+  TORCH_CHECK(input.device().is_cpu() && output.device().is_cpu(), "odc: rank ", rank_,
+              ": keyed reduce-scatter of key '", name, "' on ", input.device(),
+              ": only the CPU transport exists in this build");
+  TORCH_CHECK(input.is_contiguous(), "odc: rank ", rank_,
+              ": keyed reduce-scatter needs a contiguous input");
+  TORCH_CHECK(output.numel() * size_ == input.numel(), "odc: rank ", rank_,
+              ": keyed reduce-scatter of key '", name, "': output has ", output.numel(),
+              " elements, input ", input.numel(), " (expected world size ", size_, " x output)");
+  double scale = 1.0;
+  switch (opts.reduceOp.op_) {
+    case c10d::ReduceOp::SUM:
+      break;
+    case c10d::ReduceOp::AVG:
+      scale = 1.0 / size_;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      const auto* s =
+          dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(opts.reduceOp.supplement_.get());
+      TORCH_CHECK(s, "odc: PREMUL_SUM without a factor");
+      scale = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "odc: rank ", rank_, ": keyed reduce-scatter of key '", name,
+                  "' supports SUM, AVG and PREMUL_SUM, not reduce op ",
+                  static_cast<int>(opts.reduceOp.op_));
+  }
+  engineCall([&] {
+    eng.push(static_cast<size_t>(key), input.data_ptr(), static_cast<size_t>(input.numel()),
+             toOdcDtype(input.scalar_type()), scale, nullptr);
+  });
+  // The reduced shard arrives at the minibatch barrier; until then FSDP2 accumulates zeros.
+  output.zero_();
+  return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::_REDUCE_SCATTER_BASE,
+                                            std::vector<at::Tensor>{output});
+}
+
 void OdcBackend::shutdown() {
   BackendPtr cuda;
   BackendFactory factory;
@@ -320,6 +499,7 @@ void OdcBackend::shutdown() {
     shutdown_ = true;
     cuda = std::move(cuda_);
     factory = std::move(cuda_factory_);
+    engine_.reset();  // unmaps the shared regions
   }
   factory = nullptr;  // may release a Python callable: never under mu_
   if (cuda) {
@@ -339,6 +519,7 @@ void OdcBackend::abort() {
     shutdown_ = true;
     cuda = std::move(cuda_);
     factory = std::move(cuda_factory_);
+    engine_.reset();  // unmaps the shared regions
   }
   factory = nullptr;  // may release a Python callable: never under mu_
   if (cuda) {

@@ -10,8 +10,12 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
+
+#include "engine/engine.h"
 
 namespace torch_odc {
 
@@ -101,11 +105,22 @@ class OdcBackend : public c10d::Backend {
   // Splitting is left to torch's generic path (new_group creates a fresh "odc" backend).
   bool supportsSplitting() const override { return false; }
 
+  // ---- on-demand mode (keyed calls; see engine/engine.h) ----
+  // Collective over the group: creates the engine and its transport for these keys.
+  void connectEngine(const std::vector<KeySpec>& keys);
+  void disconnectEngine();
+  Engine& engine(const char* op);
+  bool hasEngine() const;
+
   void shutdown() override;
   void abort() override;
   bool isShutdown() const;
 
  private:
+  c10::intrusive_ptr<c10d::Work> keyedAllgather(int key, at::Tensor& output, at::Tensor& input);
+  c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output,
+                                                    at::Tensor& input,
+                                                    const c10d::ReduceScatterOptions& opts);
   c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const;
   c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists,
                            const char* op) const;
@@ -133,6 +148,18 @@ class OdcBackend : public c10d::Backend {
   mutable std::mutex mu_;  // guards cuda_ creation and shutdown state
   BackendPtr cuda_;
   bool shutdown_ = false;
+  std::unique_ptr<Engine> engine_;
+  int engine_generation_ = 0;
 };
+
+// The key of the keyed call this thread is making (set by torch_odc's FSDP2 comm hooks around
+// one all-gather or reduce-scatter), or -1 for an ordinary collective.
+struct KeyedCall {
+  int key = -1;
+  bool publish_only = false;  // barrier-driven publish: fill the shard cache, read nothing
+};
+KeyedCall& currentKeyedCall();
+
+DType toOdcDtype(at::ScalarType t);
 
 }  // namespace torch_odc

@@ -1,0 +1,106 @@
+"""Shared by the on-demand tests: a model, its samples, FSDP2 training with ODC, and the
+single-process reference trained on the union of every rank's samples."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_odc.demo import TinyDecoder
+
+VOCAB, DIM, LAYERS, HEADS, MAXLEN = 97, 30, 2, 3, 40  # dims not divisible by 4 ranks
+
+
+class Wrapper(nn.Module):
+    """A root that owns no parameters of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = TinyDecoder(VOCAB, DIM, LAYERS, HEADS, MAXLEN)
+
+    def forward(self, tokens):
+        return self.inner(tokens)
+
+
+def make_model(root_without_params: bool) -> nn.Module:
+    torch.manual_seed(1234)
+    return Wrapper() if root_without_params else TinyDecoder(VOCAB, DIM, LAYERS, HEADS, MAXLEN)
+
+
+def samples(minibatch: int, count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7 + minibatch)
+    lengths = torch.randint(5, MAXLEN - 1, (count,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (1, n + 1), generator=gen) for n in lengths]
+
+
+def split(counts: list[int], seqs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out, start = [], 0
+    for c in counts:
+        out.append(seqs[start : start + c])
+        start += c
+    return out
+
+
+def loss_of(model, seq):
+    logits = model(seq[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum")
+
+
+def reference(plan: list[list[int]], root_without_params: bool, lr: float) -> dict:
+    """One process, fp32: the gradient of the mean token loss over all ranks' samples."""
+    model = make_model(root_without_params)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for mb, counts in enumerate(plan):
+        seqs = samples(mb, sum(counts))
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        for seq in seqs:
+            (loss_of(model, seq) / tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
+              sleep_in=None):
+    """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import torch_odc
+
+    model = make_model(root_without_params)
+    mesh = init_device_mesh("cpu", (world,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
+    decoder = model.inner if root_without_params else model
+    for layer in decoder.layers:
+        fully_shard(layer, **kwargs)
+    if root_without_params:
+        fully_shard(decoder, **kwargs)
+    fully_shard(model, **kwargs)
+    handle = torch_odc.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    timeline = []
+    for mb, counts in enumerate(plan):
+        seqs = split(counts, samples(mb, sum(counts)))
+        tokens = sum(s.shape[1] - 1 for part in seqs for s in part)
+        for i, seq in enumerate(seqs[rank]):
+            if sleep_in is not None and sleep_in == (mb, rank, i):
+                time.sleep(3.0)
+            # FSDP2 averages over ranks (ReduceOp.AVG): scale by world to get the plain mean.
+            (loss_of(model, seq) * world / tokens).backward()
+        timeline.append(("barrier_enter", mb, time.time()))
+        torch_odc.minibatch_barrier()
+        timeline.append(("barrier_exit", mb, time.time()))
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.full_tensor().detach().float().clone() for k, v in model.state_dict().items()}
+    stats = handle.stats()
+    handle.detach()
+    dist.barrier()
+    return full, stats, timeline

@@ -30,6 +30,9 @@ constexpr int64_t kPairBudget = 4'000'000;         // subset sums visited, over 
 constexpr int64_t kMicroSearchBudget = 1'500'000;  // (bin, sequence) pairs examined
 constexpr int kMicroSearchPasses = 16;
 constexpr int kMicroTargetBins = 256;
+// LB-Mini also tries MULTIFIT when KK and local search end this far above the lower bound.
+constexpr double kMultiFitTrigger = 1e-3;
+constexpr int kMultiFitIterations = 24;
 // Beyond this many sequences per rank, KK runs on the largest ones and the rest are added
 // greedily: the small tail only fills gaps, and full KK on 64-tuples would dominate the time.
 constexpr int kKarmarkarKarpPerPart = 16;
@@ -407,16 +410,17 @@ void FillEmptyParts(const double* c, Parts* parts_ptr, int n) {
 // ---- first-fit decreasing ------------------------------------------------------------------
 
 // Max-segment-tree over the free capacity of bins: finds the leftmost bin with room for an item
-// in O(log bins).
+// in O(log bins). T is int64_t for tokens, double for costs.
+template <typename T>
 class FirstFit {
  public:
-  FirstFit(int max_bins, int64_t cap) : size_(1) {
+  FirstFit(int max_bins, T cap) : size_(1) {
     while (size_ < max_bins) size_ *= 2;
-    tree_.assign(2 * static_cast<size_t>(size_), -1);
+    tree_.assign(2 * static_cast<size_t>(size_), std::numeric_limits<T>::lowest());
     for (int b = 0; b < max_bins; ++b) tree_[size_ + b] = cap;
     for (int p = size_ - 1; p > 0; --p) tree_[p] = std::max(tree_[2 * p], tree_[2 * p + 1]);
   }
-  int Find(int64_t need) const {
+  int Find(T need) const {
     if (tree_[1] < need) return -1;
     int p = 1;
     while (p < size_) {
@@ -425,16 +429,16 @@ class FirstFit {
     }
     return p - size_;
   }
-  void Take(int bin, int64_t amount) {
+  void Take(int bin, T amount) {
     int p = bin + size_;
     tree_[p] -= amount;
     for (p /= 2; p > 0; p /= 2) tree_[p] = std::max(tree_[2 * p], tree_[2 * p + 1]);
   }
-  int64_t Free(int bin) const { return tree_[size_ + bin]; }
+  T Free(int bin) const { return tree_[size_ + bin]; }
 
  private:
   int size_;
-  std::vector<int64_t> tree_;
+  std::vector<T> tree_;
 };
 
 Parts FirstFitDecreasing(std::vector<int> items, const int64_t* len, const double* c, int64_t cap) {
@@ -446,7 +450,7 @@ Parts FirstFitDecreasing(std::vector<int> items, const int64_t* len, const doubl
   const int m = static_cast<int>(items.size());
   Parts bins;
   if (m == 0) return bins;
-  FirstFit ff(m, cap);
+  FirstFit<int64_t> ff(m, cap);
   for (int x : items) {
     int b;
     if (len[x] > cap) {
@@ -945,11 +949,69 @@ Parts PartitionMini(const double* c, int n, int k) {
   return parts;
 }
 
+double MaxLoad(const double* c, const Parts& parts) {
+  double out = 0.0;
+  for (const std::vector<int>& part : parts) {
+    double load = 0.0;
+    for (int x : part) load += c[x];
+    out = std::max(out, load);
+  }
+  return out;
+}
+
+// MULTIFIT (Coffman, Garey and Johnson): binary search on a capacity for which first-fit
+// decreasing packs every item into k bins. It leaves a long item alone whenever nothing else fits
+// beside it under the capacity, a structure that differencing and pairwise local search struggle
+// to reach. Searches (lo, hi) and returns false if no capacity below hi worked.
+bool MultiFit(const double* c, int n, int k, double lo, double hi, Parts* out) {
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [c](int x, int y) { return c[x] > c[y]; });
+  Parts parts;
+  auto pack = [&](double capacity) {
+    FirstFit<double> ff(k, capacity);
+    parts.assign(k, {});
+    for (int x : order) {
+      const int b = ff.Find(c[x]);
+      if (b < 0) return false;
+      ff.Take(b, c[x]);
+      parts[b].push_back(x);
+    }
+    return true;
+  };
+  bool found = false;
+  for (int iter = 0; iter < kMultiFitIterations && hi - lo > hi * kRelTol; ++iter) {
+    const double mid = lo + (hi - lo) / 2;
+    if (pack(mid)) {
+      hi = mid;
+      *out = parts;
+      found = true;
+    } else {
+      lo = mid;
+    }
+  }
+  return found;
+}
+
 std::vector<std::vector<std::vector<int64_t>>> PlanMini(const int64_t* len, const double* c, int n,
                                                         int w, int64_t cap) {
   Parts parts = PartitionMini(c, n, w);
   FillEmptyParts(c, &parts, n);
   ImprovePartition(c, &parts);
+  const double best = MaxLoad(c, parts);
+  double total = 0.0;
+  double cmax = 0.0;
+  for (int i = 0; i < n; ++i) {
+    total += c[i];
+    cmax = std::max(cmax, c[i]);
+  }
+  const double lower_bound = std::max(total / w, cmax);
+  Parts alt;
+  if (best > lower_bound * (1 + kMultiFitTrigger) && MultiFit(c, n, w, lower_bound, best, &alt)) {
+    FillEmptyParts(c, &alt, n);
+    ImprovePartition(c, &alt);
+    if (MaxLoad(c, alt) < best) parts = std::move(alt);
+  }
   std::vector<std::vector<std::vector<int64_t>>> plan(w);
   for (int r = 0; r < w; ++r) {
     for (const std::vector<int>& bin : FirstFitDecreasing(parts[r], len, c, cap)) {

@@ -17,7 +17,8 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, backend, store_path, fn, args, results, device_per_rank, env):
+def _worker(rank, world_size, backend, store_path, fn, args, results, device_per_rank, env,
+            pg_timeout):
     os.environ.update(env)
     try:
         import torch
@@ -33,7 +34,7 @@ def _worker(rank, world_size, backend, store_path, fn, args, results, device_per
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
             value = fn(rank, world_size, *args)
@@ -46,8 +47,11 @@ def _worker(rank, world_size, backend, store_path, fn, args, results, device_per
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, env=None):
-    """Runs fn on world_size ranks of a fresh process group; returns [result of rank r]."""
+def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, env=None,
+              pg_timeout=60.0):
+    """Runs fn on world_size ranks of a fresh process group; returns [result of rank r].
+
+    pg_timeout is the process group's timeout (what every ODC wait honours)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -56,7 +60,7 @@ def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, e
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, backend, store_path, fn, args, results, cuda, env),
+                args=(r, world_size, backend, store_path, fn, args, results, cuda, env, pg_timeout),
                 daemon=True,
             )
             for r in range(world_size)

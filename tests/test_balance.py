@@ -220,10 +220,10 @@ def test_unknown_cost_args_raise_type_error():
 
 
 def long_context_lengths(rng, n):
-    """Lognormal truncated to [8K, 64K], mean about 16K (see benchmarks/bench_balance.py)."""
+    """Lognormal truncated to [8K, 64K], mean ~16.4K (as in benchmarks/bench_balance.py)."""
     out = np.empty(0, dtype=np.int64)
     while out.size < n:
-        draw = rng.lognormal(np.log(13500.0), 0.55, size=2 * n)
+        draw = rng.lognormal(np.log(11000.0), 0.6, size=2 * n)
         out = np.concatenate([out, draw[(draw >= 8192) & (draw <= 65536)].astype(np.int64)])
     return out[:n]
 

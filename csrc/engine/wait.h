@@ -12,11 +12,17 @@ namespace torch_odc {
 // false (checked every few milliseconds).
 template <typename Ready, typename Alive>
 void hostWait(Ready&& ready, Alive&& peer_alive, const WaitContext& ctx, const char* who) {
-  for (int spin = 0; spin < 2000; ++spin) {
+  for (int spin = 0; spin < 64; ++spin) {
     if (ready()) return;
   }
+  // Yield first: with more ranks than cores the peer we wait for may need this core.
+  const auto yield_until = Clock::now() + std::chrono::microseconds(50);
+  while (Clock::now() < yield_until) {
+    if (ready()) return;
+    std::this_thread::yield();
+  }
   auto next_liveness = Clock::now();
-  auto sleep = std::chrono::microseconds(5);
+  auto sleep = std::chrono::microseconds(20);
   while (!ready()) {
     const auto now = Clock::now();
     if (now >= ctx.deadline) {
@@ -30,7 +36,7 @@ void hostWait(Ready&& ready, Alive&& peer_alive, const WaitContext& ctx, const c
       next_liveness = now + std::chrono::milliseconds(5);
     }
     std::this_thread::sleep_for(sleep);
-    if (sleep < std::chrono::microseconds(200)) sleep *= 2;
+    if (sleep < std::chrono::microseconds(500)) sleep *= 2;
   }
 }
 

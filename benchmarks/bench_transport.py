@@ -1,0 +1,385 @@
+"""Benchmarks the odc keyed gather and push-accumulate against NCCL on GPUs.
+
+For each message size (bytes per rank of the wire dtype) it times, side by side on the same GPUs:
+NCCL all_gather_into_tensor (bf16); the odc keyed gather in steady state (key already published in
+this minibatch); the odc publishing gather (the first gather after a minibatch barrier); NCCL
+reduce_scatter_tensor (fp32, SUM); the odc keyed push-accumulate (fp32). Once per size (untimed) it
+checks that the odc gather equals NCCL's bitwise and that k pushes accumulate exactly. Rank 0
+writes transport_{N}gpu.json and transport_{N}gpu.png under --out and prints the table last.
+
+    torchrun --nproc-per-node=2 benchmarks/bench_transport.py --out benchmarks/results
+    torchrun --nproc-per-node=4 benchmarks/bench_transport.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # machine policy: never NVLink multicast
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1 << 20
+OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "nccl_reducescatter", "odc_push")
+GATHER_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
+PUSHES = 3  # pushes per minibatch in the accumulate check
+RATIOS = {  # ratio name: (odc op, NCCL op it is compared with, done-when target or None)
+    "gather": ("odc_gather", "nccl_allgather", 0.90),
+    "push": ("odc_push", "nccl_reducescatter", 0.80),
+    "publish_gather": ("odc_publish_gather", "nccl_allgather", None),
+}
+CHECKS = {  # the correctness checks shown next to each odc op
+    "odc_gather": ("gather_publish_bitwise", "gather_steady_bitwise"),
+    "odc_publish_gather": ("gather_publish_bitwise",),
+    "odc_push": ("push_accumulate_exact",),
+}
+
+
+def time_op(fn, iters: int, warmup: int) -> list[float]:
+    """Per-iteration times (ms) of fn, each bracketed by CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+class Odc:
+    """The odc engine with one key per size; tracks which keys this rank published."""
+
+    def __init__(self, sizes: list[int], world: int, device: torch.device):
+        import torch_odc
+        from torch_odc import _C
+
+        self._C, self.world, self.device = _C, world, device
+        self.backend = torch_odc.odc_backend()
+        self.gather_numel = [s // GATHER_DTYPE.itemsize for s in sizes]
+        self.accum_numel = [s // REDUCE_DTYPE.itemsize for s in sizes]
+        self.published: set[int] = set()
+        keys = [
+            (f"size{s // MB}MB", g, "bfloat16", a, "float32")
+            for s, g, a in zip(sizes, self.gather_numel, self.accum_numel, strict=True)
+        ]
+        self.backend._connect_engine(keys, device_index=device.index)
+
+    def gather(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._C._set_keyed_call(k)
+        try:
+            dist.all_gather_into_tensor(out, inp)
+        finally:
+            self._C._set_keyed_call(-1)
+        self.published.add(k)
+
+    def push(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._C._set_keyed_call(k)
+        try:
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM)
+        finally:
+            self._C._set_keyed_call(-1)
+
+    def arrive(self) -> None:
+        """First half of the minibatch barrier: publish what is left, wait for every rank."""
+        for k, n in enumerate(self.gather_numel):
+            if k not in self.published:
+                shard = torch.zeros(n, dtype=GATHER_DTYPE, device=self.device)
+                self.gather(k, shard.new_empty(self.world * n), shard)
+        torch.cuda.synchronize()
+        self.backend._arrive()
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        self.backend._release()
+        self.published.clear()
+
+    def barrier(self) -> None:
+        self.arrive()
+        self.release()
+
+    def close(self) -> None:
+        self.backend._disconnect_engine()
+
+
+def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dict, str | None]:
+    """Times every op at one size; returns {op: [ms]}, {check: bool} and an odc error if any."""
+    times, checks, error = {}, {}, None
+    n_g, n_r = size // GATHER_DTYPE.itemsize, size // REDUCE_DTYPE.itemsize
+    gen = torch.Generator(device=device).manual_seed(1000 * rank + k)
+    shard = torch.randn(n_g, generator=gen, device=device).to(GATHER_DTYPE)
+    out_nccl = torch.empty(world * n_g, dtype=GATHER_DTYPE, device=device)
+    # Small integers, exact in fp32 under any summation order: chunk j = (i % 13) + 16 j + rank.
+    base = (torch.arange(n_r, dtype=torch.int32, device=device) % 13).to(REDUCE_DTYPE)
+    rs_in = (base + 16 * torch.arange(world, device=device)[:, None] + rank).flatten()
+    rs_out = torch.zeros(n_r, dtype=REDUCE_DTYPE, device=device)
+
+    def ag():
+        dist.all_gather_into_tensor(out_nccl, shard, group=nccl)
+
+    def rs():
+        dist.reduce_scatter_tensor(rs_out, rs_in, op=dist.ReduceOp.SUM, group=nccl)
+
+    times["nccl_allgather"] = time_op(ag, args.iters, args.warmup)
+    times["nccl_reducescatter"] = time_op(rs, args.iters, args.warmup)
+    if odc is None:
+        return times, checks, error
+    try:
+        out_odc = torch.empty_like(out_nccl)
+        odc.barrier()  # a fresh minibatch: the next gather of key k publishes
+        ag()
+        odc.gather(k, out_odc, shard)
+        checks["gather_publish_bitwise"] = torch.equal(
+            out_odc.view(torch.int16), out_nccl.view(torch.int16)
+        )
+        out_odc.zero_()
+        odc.gather(k, out_odc, shard)
+        checks["gather_steady_bitwise"] = torch.equal(
+            out_odc.view(torch.int16), out_nccl.view(torch.int16)
+        )
+        times["odc_gather"] = time_op(
+            lambda: odc.gather(k, out_odc, shard), args.iters, args.warmup
+        )
+        # Publish + gather: the first gather of a minibatch, one barrier cycle per sample.
+        pub = []
+        for _ in range(args.publish_iters):
+            odc.barrier()
+            pub += time_op(lambda: odc.gather(k, out_odc, shard), 1, 0)
+        times["odc_publish_gather"] = pub
+        # Push-accumulate: PUSHES pushes into zeroed accumulators, then the barrier's first half.
+        odc.barrier()
+        for _ in range(PUSHES):
+            odc.push(k, rs_out.zero_(), rs_in)
+        odc.arrive()
+        try:
+            acc = odc.backend._accumulator(k)
+            if acc.device != device:
+                raise RuntimeError(f"_accumulator returned a tensor on {acc.device}")
+            want = PUSHES * (world * (base + 16 * rank) + world * (world - 1) // 2)
+            checks["push_accumulate_exact"] = torch.equal(acc, want)
+        finally:
+            odc.release()
+        times["odc_push"] = time_op(lambda: odc.push(k, rs_out, rs_in), args.iters, args.warmup)
+        odc.barrier()  # zero the accumulators again
+    except Exception as err:  # noqa: BLE001  (recorded; the NCCL numbers still count)
+        error = f"{type(err).__name__}: {err}"
+    return times, checks, error
+
+
+def environment(world: int) -> dict:
+    def run(*cmd):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=20)
+            return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            return "unavailable"
+
+    nccl = torch.cuda.nccl.version()
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "gpus_used": world,
+        "gpus_visible": torch.cuda.device_count(),
+        "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hostname": socket.gethostname(),
+        "git_commit": run("git", "-C", ROOT, "rev-parse", "HEAD"),
+        "command": f"torchrun --nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', world)} "
+        + " ".join(sys.argv),
+        "argv": sys.argv,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+
+
+def plot(rows: list[dict], ratios: list[dict], world: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for op in OPS:
+        pts = [(r["size_bytes"] / MB, r["busbw_gbps"]) for r in rows if r["op"] == op]
+        if pts:
+            style = ":" if op == "odc_publish_gather" else "-" if op.startswith("nccl") else "--"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=op)
+    ax.set(
+        xlabel="message per rank (MiB)",
+        ylabel="bus bandwidth (GB/s)",
+        title=f"{world} x {torch.cuda.get_device_name()}",
+    )
+    ax.set_xscale("log", base=2)
+    for (key, (odc_op, nccl_op, target)), color in zip(RATIOS.items(), "bgk", strict=True):
+        pts = [(r["size_bytes"] / MB, r[key]) for r in ratios if r[key] is not None]
+        if pts:
+            style = ":" if target is None else "-"
+            label = f"{odc_op} / {nccl_op}"
+            rx.plot(*zip(*pts, strict=True), style, color=color, marker="o", label=label)
+        if target is not None:
+            rx.axhline(target, color=color, linestyle="--", linewidth=0.8, alpha=0.6)
+    rx.set(xlabel="message per rank (MiB)", ylabel="busbw ratio (dashed: targets)")
+    rx.set_xscale("log", base=2)
+    sizes = sorted({r["size_bytes"] // MB for r in rows})
+    for a in (ax, rx):
+        a.set_xticks(sizes, [str(s) for s in sizes])
+        a.grid(True, which="both", alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results"), help="results folder"
+    )
+    parser.add_argument(
+        "--sizes-mb",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64, 256, 1024],
+        help="message sizes per rank in MiB of the wire dtype",
+    )
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations per op and size")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--publish-iters", type=int, default=10, help="barrier cycles timed for odc_publish_gather"
+    )
+    parser.add_argument("--skip-odc", action="store_true", help="NCCL only")
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    import torch_odc  # noqa: F401  (registers "odc")
+
+    dist.init_process_group("odc")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nccl = dist.new_group(backend="nccl")
+    sizes = [mb * MB for mb in args.sizes_mb]
+
+    def all_ranks(value: float, op=dist.ReduceOp.MAX) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op, group=nccl)
+        return t.item()
+
+    def first_error(where: str, error: str | None) -> str | None:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=nccl)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        return f"{where} (rank {bad[0][0]}): {bad[0][1]}" if bad else None
+
+    odc, odc_error = None, None
+    if not args.skip_odc:
+        try:
+            odc = Odc(sizes, world, device)
+        except Exception as err:  # noqa: BLE001
+            odc_error = f"{type(err).__name__}: {err}"
+        # A failure on any rank turns odc off on all of them (avoids one-sided hangs).
+        if odc_error := first_error("connect", odc_error):
+            odc = None
+    rows, ratios, checks = [], [], []
+    for k, size in enumerate(sizes):
+        times, ok, error = bench_size(k, size, world, rank, odc, nccl, args, device)
+        if odc is not None and (error := first_error(f"size {size // MB} MiB", error)):
+            odc_error, odc = odc_error or error, None  # NCCL numbers continue without odc
+        busbw = {}
+        for op in OPS:
+            if not all_ranks(op in times, dist.ReduceOp.MIN):
+                continue
+            ms = all_ranks(statistics.median(times[op]))  # the slowest rank's median
+            algbw = world * size / (ms * 1e-3) / 1e9
+            busbw[op] = algbw * (world - 1) / world
+            rows.append(
+                {
+                    "op": op,
+                    "size_bytes": size,
+                    "ms_median": ms,
+                    "ms_min": all_ranks(min(times[op])),
+                    "samples": len(times[op]),
+                    "algbw_gbps": algbw,
+                    "busbw_gbps": busbw[op],
+                }
+            )
+        ratios.append(
+            {"size_bytes": size}
+            | {r: busbw[o] / busbw[n] if o in busbw else None for r, (o, n, _) in RATIOS.items()}
+        )
+        # Per check, over all ranks: True, False, or None where some rank did not run it.
+        names = sorted({n for c in CHECKS.values() for n in c})
+        got = [all_ranks(int(ok[n]) if n in ok else -1, dist.ReduceOp.MIN) for n in names]
+        checks.append(
+            {"size_bytes": size}
+            | {n: None if g < 0 else g > 0 for n, g in zip(names, got, strict=True)}
+        )
+        torch.cuda.empty_cache()
+
+    if odc is not None:
+        try:
+            odc.close()
+        except Exception as err:  # noqa: BLE001
+            odc_error = odc_error or f"disconnect: {type(err).__name__}: {err}"
+    big = [r for r in ratios if r["size_bytes"] >= 64 * MB]
+    targets = {r: t for r, (_, _, t) in RATIOS.items() if t is not None}
+    done = {
+        "criterion": "sizes >= 64 MiB: odc gather >= 0.90 x NCCL all-gather busbw and "
+        "odc push >= 0.80 x NCCL reduce-scatter busbw",
+        "sizes_bytes": [r["size_bytes"] for r in big],
+        "pass": bool(big)
+        and all(r[k] is not None and r[k] >= t for r in big for k, t in targets.items()),
+    }
+    latency = {r["op"]: r["ms_median"] for r in rows if r["size_bytes"] == MB}
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"transport_{world}gpu")
+        result = {
+            "environment": environment(world),
+            "config": vars(args),
+            "size_unit": "MiB (2^20 bytes) per rank of the wire dtype",
+            "bandwidth_unit": "GB/s (1e9 bytes/s); busbw = algbw*(world-1)/world, "
+            "algbw = world*bytes_per_rank/time",
+            "rows": rows,
+            "ratios": ratios,
+            "checks": checks,
+            "latency_ms_1MiB": latency,
+            "done_when": done,
+            "odc_error": odc_error,
+        }
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        plot(rows, ratios, world, stem + ".png")
+        print(f"\n{world} x {torch.cuda.get_device_name()}; wrote {stem}.json and .png")
+        if odc_error:
+            print(f"odc error (full text in the JSON): {odc_error.splitlines()[0]}")
+        print(f"{'size':>8} {'op':<19} {'ms':>9} {'busbw GB/s':>10} {'ratio':>6}  check")
+        for r in rows:
+            i = sizes.index(r["size_bytes"])
+            key = next((k for k, (o, _, _) in RATIOS.items() if o == r["op"]), None)
+            ratio = f"{ratios[i][key]:6.3f}" if key else ""
+            verdict = {True: "ok", False: "FAIL", None: "-"}
+            check = " ".join(verdict[checks[i][n]] for n in CHECKS.get(r["op"], ()))
+            print(
+                f"{r['size_bytes'] // MB:>5}MiB {r['op']:<19} {r['ms_median']:9.3f} "
+                f"{r['busbw_gbps']:10.1f} {ratio:>6}  {check}"
+            )
+        print(f"done-when ({done['criterion']}): {'PASS' if done['pass'] else 'FAIL'}")
+    dist.barrier(group=nccl, device_ids=[local_rank])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

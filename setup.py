@@ -87,6 +87,17 @@ def _extension():
     )
 
 
+class _BuildExtension(BuildExtension):
+    """Links without -Bsymbolic-functions (added by some Pythons' LDSHARED): with it, the weak
+    libstdc++ template copies a newer compiler emits into our .so bind to themselves instead of the
+    loaded libstdc++, and a header/runtime mismatch then crashes inside iostreams."""
+
+    def build_extensions(self):
+        linker = self.compiler.linker_so
+        self.compiler.linker_so = [a for a in linker if a != "-Wl,-Bsymbolic-functions"]
+        super().build_extensions()
+
+
 setup(
     name="torch-odc",
     version="0.1.0",
@@ -98,6 +109,6 @@ setup(
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],
                     "bench": ["matplotlib", "numpy"]},
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -92,7 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // On-demand engine (used by torch_odc.attach / minibatch_barrier; private API).
       .def(
           "_connect_engine",
-          [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys) {
+          [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
             std::vector<torch_odc::KeySpec> specs;
             for (const auto& k : keys) {
               specs.push_back(torch_odc::KeySpec{
@@ -101,9 +101,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   dtypeFromName(k[4].cast<std::string>())});
             }
             py::gil_scoped_release nogil;
-            self.connectEngine(specs);
+            self.connectEngine(specs, device_index);
           },
-          py::arg("keys"))
+          py::arg("keys"), py::arg("device_index") = -1)
       .def("_disconnect_engine", &torch_odc::OdcBackend::disconnectEngine,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("_has_engine", &torch_odc::OdcBackend::hasEngine)
@@ -132,8 +132,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](torch_odc::OdcBackend& self, size_t key) {
              auto& e = self.engine("accumulator");
              const auto& spec = e.layout().key(key);
+             auto options = torch::TensorOptions().dtype(scalarType(spec.reduce_dtype));
+             if (const int dev = e.transport().deviceIndex(); dev >= 0) {
+               options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
+             }
              return torch::from_blob(e.accumulator(key), {static_cast<int64_t>(spec.accum_numel)},
-                                     torch::TensorOptions().dtype(scalarType(spec.reduce_dtype)));
+                                     options);
            })
       .def(
           "_release",
@@ -157,6 +161,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       });
 
+  m.def("_has_cuda_transport", [] {
+#ifdef ODC_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def(
       "_set_keyed_call",
       [](int key, bool publish_only) {

@@ -64,16 +64,21 @@ def reference(plan: list[list[int]], root_without_params: bool, lr: float) -> di
 
 
 def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
-              sleep_in=None):
-    """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb."""
+              sleep_in=None, device="cpu", attach=True):
+    """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
+
+    With attach=False this is plain FSDP2 over the group's backend (every rank must then run
+    the same number of microbatches)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import torch_odc
 
-    model = make_model(root_without_params)
-    mesh = init_device_mesh("cpu", (world,))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else (
+        torch.device("cpu"))
+    model = make_model(root_without_params).to(dev)
+    mesh = init_device_mesh(device, (world,))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
@@ -83,7 +88,7 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     if root_without_params:
         fully_shard(decoder, **kwargs)
     fully_shard(model, **kwargs)
-    handle = torch_odc.attach(model)
+    handle = torch_odc.attach(model) if attach else None
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     timeline = []
     for mb, counts in enumerate(plan):
@@ -93,14 +98,16 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
             if sleep_in is not None and sleep_in == (mb, rank, i):
                 time.sleep(3.0)
             # FSDP2 averages over ranks (ReduceOp.AVG): scale by world to get the plain mean.
-            (loss_of(model, seq) * world / tokens).backward()
+            (loss_of(model, seq.to(dev)) * world / tokens).backward()
         timeline.append(("barrier_enter", mb, time.time()))
-        torch_odc.minibatch_barrier()
+        if attach:
+            torch_odc.minibatch_barrier()
         timeline.append(("barrier_exit", mb, time.time()))
         opt.step()
         opt.zero_grad()
-    full = {k: v.full_tensor().detach().float().clone() for k, v in model.state_dict().items()}
-    stats = handle.stats()
-    handle.detach()
+    full = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
+    stats = handle.stats() if attach else None
+    if attach:
+        handle.detach()
     dist.barrier()
     return full, stats, timeline

@@ -219,23 +219,41 @@ def attach(model: torch.nn.Module) -> Handle:
     group, device = groups.pop(), devices.pop()
     backend = odc_backend(group)
     handle = Handle(model, backend, entries, device)
-    if device.type != "cpu":
+    reason = _collective_fallback_reason(group, device)
+    if reason:
         warnings.warn(
-            f"torch_odc.attach: the on-demand transport for {device.type} tensors is not built "
-            "yet; this model keeps collective semantics and minibatch_barrier() is a no-op.",
+            f"torch_odc.attach: {reason}; this model keeps collective semantics and "
+            "minibatch_barrier() is a no-op for it.",
             stacklevel=2,
         )
         handle._attached = False
         return handle
     backend._connect_engine(
         [(k.name, k.numel, _DTYPE_NAMES[k.gather_dtype], k.numel, _DTYPE_NAMES[k.reduce_dtype])
-         for k in entries]
+         for k in entries],
+        device.index if device.type == "cuda" else -1,
     )
     for index, key in enumerate(entries):
         key.module.set_custom_all_gather(_KeyedAllGather(handle, index))
         key.module.set_custom_reduce_scatter(_KeyedReduceScatter(index))
     _handles.append(handle)
     return handle
+
+
+def _collective_fallback_reason(group, device: torch.device) -> str | None:
+    """Why on-demand mode cannot run for this group and device, or None when it can."""
+    import socket
+
+    if device.type == "cuda" and not _C._has_cuda_transport():
+        return "this build has no CUDA transport (built without an nvcc matching torch's CUDA)"
+    if device.type not in ("cpu", "cuda"):
+        return f"no on-demand transport for {device.type} tensors"
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        return (f"the group spans {len(set(hosts))} hosts; multi-node on-demand communication "
+                "is not supported yet")
+    return None
 
 
 def minibatch_barrier() -> None:

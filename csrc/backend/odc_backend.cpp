@@ -5,6 +5,14 @@
 
 #include "transport/shm/shm_transport.h"
 
+#ifdef ODC_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "transport/cuda_ipc/cuda_ipc_transport.h"
+#endif
+
 namespace torch_odc {
 
 using c10d::Work;
@@ -380,6 +388,34 @@ class CompletedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+#ifdef ODC_WITH_CUDA
+// A keyed op enqueued on a CUDA stream: complete when its event is; wait() makes the caller's
+// current stream wait for it (no host block), like ProcessGroupNCCL. Holds the tensors until
+// then.
+class CudaEventWork : public c10d::Work {
+ public:
+  CudaEventWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors,
+                cudaStream_t stream, CudaIpcTransport* transport)
+      : c10d::Work(rank, type), tensors_(std::move(tensors)), transport_(transport) {
+    event_.record(c10::cuda::getStreamFromExternal(stream, tensors_.front().device().index()));
+  }
+  bool isCompleted() override { return event_.query(); }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override {
+    event_.block(c10::cuda::getCurrentCUDAStream(tensors_.front().device().index()));
+    if (transport_) transport_->checkDeviceErrors();
+    return true;
+  }
+  void synchronize() override { event_.synchronize(); }
+  std::vector<at::Tensor> result() override { return {tensors_.front()}; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  at::cuda::CUDAEvent event_;
+  CudaIpcTransport* transport_;
+};
+#endif
+
 // Translates c10d errors of the engine into c10::Error with the same text.
 template <typename F>
 void engineCall(F&& f) {
@@ -394,13 +430,23 @@ void engineCall(F&& f) {
 
 }  // namespace
 
-void OdcBackend::connectEngine(const std::vector<KeySpec>& keys) {
+void OdcBackend::connectEngine(const std::vector<KeySpec>& keys, int device_index) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": attach after shutdown");
   TORCH_CHECK(!engine_, "odc: rank ", rank_,
               ": a model is already attached to this process group; detach it first");
-  auto engine = std::make_unique<Engine>(rank_, size_, timeout_,
-                                         std::make_unique<ShmTransport>(rank_, size_));
+  std::unique_ptr<Transport> transport;
+  if (device_index < 0) {
+    transport = std::make_unique<ShmTransport>(rank_, size_);
+  } else {
+#ifdef ODC_WITH_CUDA
+    transport = std::make_unique<CudaIpcTransport>(rank_, size_, device_index);
+#else
+    TORCH_CHECK(false, "odc: rank ", rank_, ": this build of torch_odc has no CUDA transport "
+                "(built without a CUDA toolkit matching torch); rebuild on a CUDA machine");
+#endif
+  }
+  auto engine = std::make_unique<Engine>(rank_, size_, timeout_, std::move(transport));
   StoreRendezvous rdv(store_);
   engineCall([&] {
     engine->connect(rdv, "odc/engine/" + std::to_string(engine_generation_++), keys);
@@ -427,9 +473,7 @@ Engine& OdcBackend::engine(const char* op) {
 
 WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
   auto& eng = engine("keyed all-gather");
-  TORCH_CHECK(input.device().is_cpu() && output.device().is_cpu(), "odc: rank ", rank_,
-              ": keyed all-gather of key '", eng.layout().key(static_cast<size_t>(key)).name,
-              "' on ", input.device(), ": only the CPU transport exists in this build");
+  const Stream stream = keyedStream(eng, input, output, "all-gather", key);
   TORCH_CHECK(input.is_contiguous() && output.is_contiguous() &&
                   input.scalar_type() == output.scalar_type(),
               "odc: rank ", rank_, ": keyed all-gather needs contiguous tensors of one dtype");
@@ -437,23 +481,20 @@ WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& inpu
   const size_t in_bytes = input.numel() * input.element_size();
   engineCall([&] {
     if (currentKeyedCall().publish_only) {
-      eng.publish(static_cast<size_t>(key), input.data_ptr(), in_bytes, dtype, nullptr);
+      eng.publish(static_cast<size_t>(key), input.data_ptr(), in_bytes, dtype, stream);
     } else {
       eng.gather(static_cast<size_t>(key), output.data_ptr(), input.data_ptr(), in_bytes,
-                 output.numel() * output.element_size(), dtype, nullptr);
+                 output.numel() * output.element_size(), dtype, stream);
     }
   });
-  return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::_ALLGATHER_BASE,
-                                            std::vector<at::Tensor>{output});
+  return keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input);
 }
 
 WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
                                        const c10d::ReduceScatterOptions& opts) {
   auto& eng = engine("keyed reduce-scatter");
   const auto& name = eng.layout().key(static_cast<size_t>(key)).name;
-  TORCH_CHECK(input.device().is_cpu() && output.device().is_cpu(), "odc: rank ", rank_,
-              ": keyed reduce-scatter of key '", name, "' on ", input.device(),
-              ": only the CPU transport exists in this build");
+  const Stream stream = keyedStream(eng, input, output, "reduce-scatter", key);
   TORCH_CHECK(input.is_contiguous(), "odc: rank ", rank_,
               ": keyed reduce-scatter needs a contiguous input");
   TORCH_CHECK(output.numel() * size_ == input.numel(), "odc: rank ", rank_,
@@ -480,12 +521,49 @@ WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& 
   }
   engineCall([&] {
     eng.push(static_cast<size_t>(key), input.data_ptr(), static_cast<size_t>(input.numel()),
-             toOdcDtype(input.scalar_type()), scale, nullptr);
+             toOdcDtype(input.scalar_type()), scale, stream);
   });
   // The reduced shard arrives at the minibatch barrier; until then FSDP2 accumulates zeros.
   output.zero_();
-  return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::_REDUCE_SCATTER_BASE,
-                                            std::vector<at::Tensor>{output});
+  return keyedWork(c10d::OpType::_REDUCE_SCATTER_BASE, output, input);
+}
+
+Stream OdcBackend::keyedStream(Engine& eng, const at::Tensor& a, const at::Tensor& b,
+                               const char* op, int key) {
+  const int device = eng.transport().deviceIndex();
+  const bool on_cuda = device >= 0;
+  const auto where = [&] {
+    return c10::str("odc: rank ", rank_, ": keyed ", op, " of key '",
+                    eng.layout().key(static_cast<size_t>(key)).name, "' on ", a.device(), " and ",
+                    b.device(), ", but the model was attached on ",
+                    on_cuda ? "cuda:" + std::to_string(device) : std::string("cpu"));
+  };
+  TORCH_CHECK(a.device() == b.device(), where());
+  if (!on_cuda) {
+    TORCH_CHECK(a.device().is_cpu(), where());
+    return nullptr;
+  }
+  TORCH_CHECK(a.device().is_cuda() && a.device().index() == device, where());
+#ifdef ODC_WITH_CUDA
+  return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+#else
+  return nullptr;
+#endif
+}
+
+WorkPtr OdcBackend::keyedWork(c10d::OpType type, const at::Tensor& output,
+                              const at::Tensor& input) {
+#ifdef ODC_WITH_CUDA
+  if (output.is_cuda()) {
+    auto& eng = engine("keyed work");
+    return c10::make_intrusive<CudaEventWork>(
+        rank_, type, std::vector<at::Tensor>{output, input},
+        at::cuda::getCurrentCUDAStream(output.device().index()).stream(),
+        dynamic_cast<CudaIpcTransport*>(&eng.transport()));
+  }
+#endif
+  (void)input;
+  return c10::make_intrusive<CompletedWork>(rank_, type, std::vector<at::Tensor>{output});
 }
 
 void OdcBackend::shutdown() {

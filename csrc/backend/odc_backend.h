@@ -107,7 +107,8 @@ class OdcBackend : public c10d::Backend {
 
   // ---- on-demand mode (keyed calls; see engine/engine.h) ----
   // Collective over the group: creates the engine and its transport for these keys.
-  void connectEngine(const std::vector<KeySpec>& keys);
+  // device_index < 0: shared-memory transport (CPU tensors); otherwise CUDA IPC on that device.
+  void connectEngine(const std::vector<KeySpec>& keys, int device_index);
   void disconnectEngine();
   Engine& engine(const char* op);
   bool hasEngine() const;
@@ -121,6 +122,12 @@ class OdcBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output,
                                                     at::Tensor& input,
                                                     const c10d::ReduceScatterOptions& opts);
+  // The stream keyed ops of these tensors run on (the caller's current CUDA stream, or none on
+  // the CPU), after checking that they live where the engine's transport does.
+  Stream keyedStream(Engine& eng, const at::Tensor& a, const at::Tensor& b, const char* op,
+                     int key);
+  c10::intrusive_ptr<c10d::Work> keyedWork(c10d::OpType type, const at::Tensor& output,
+                                           const at::Tensor& input);
   c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const;
   c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists,
                            const char* op) const;

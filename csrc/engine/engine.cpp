@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
-#include <sstream>
+#include <algorithm>
+
 
 #include "engine/wait.h"
 
@@ -13,18 +14,23 @@ double secondsSince(Clock::time_point t) {
 }
 
 // First key where two digests differ, for an error a user can act on.
-std::string firstDifference(const std::string& a, const std::string& b) {
-  std::istringstream sa(a), sb(b);
-  std::string ka, kb;
-  while (true) {
-    const bool ha = static_cast<bool>(std::getline(sa, ka, ';'));
-    const bool hb = static_cast<bool>(std::getline(sb, kb, ';'));
-    if (!ha && !hb) return "(none)";
-    if (!ha || !hb || ka != kb) {
-      return "'" + (ha ? ka : std::string("<missing>")) + "' vs '" +
-             (hb ? kb : std::string("<missing>")) + "'";
-    }
+std::vector<std::string> splitKeys(const std::string& digest) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t end; (end = digest.find(';', start)) != std::string::npos; start = end + 1) {
+    out.push_back(digest.substr(start, end - start));
   }
+  return out;
+}
+
+std::string firstDifference(const std::string& a, const std::string& b) {
+  const auto ka = splitKeys(a), kb = splitKeys(b);
+  for (size_t i = 0; i < std::max(ka.size(), kb.size()); ++i) {
+    const std::string x = i < ka.size() ? ka[i] : "<missing>";
+    const std::string y = i < kb.size() ? kb[i] : "<missing>";
+    if (x != y) return "'" + x + "' vs '" + y + "'";
+  }
+  return "(none)";
 }
 
 }  // namespace
@@ -188,9 +194,8 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
   for (int i = 0; i < world_; ++i) {
     const int owner = (rank_ + i) % world_;
     const auto* src = static_cast<const uint8_t*>(in) + static_cast<size_t>(owner) * chunk_bytes;
-    transport_->accumulate(owner, off.accum, off.first_lock, src, spec.accum_numel, dtype, scale,
-                           stream);
-    transport_->markPeer(owner, off.pushed_flag, epoch_, stream);
+    transport_->accumulate(owner, off.accum, off.first_lock, off.pushed_flag, epoch_, src,
+                           spec.accum_numel, dtype, scale, stream);
     if (owner != rank_) current_.bytes_pushed += chunk_bytes;
   }
 }

@@ -1,6 +1,5 @@
 #include "engine/layout.h"
 
-#include <sstream>
 
 namespace torch_odc {
 
@@ -35,12 +34,12 @@ RegionLayout::RegionLayout(std::vector<KeySpec> keys) : keys_(std::move(keys)) {
 }
 
 std::string RegionLayout::digest() const {
-  std::ostringstream os;
+  std::string out;
   for (const auto& k : keys_) {
-    os << k.name << ':' << k.shard_numel << ':' << dtypeName(k.gather_dtype) << ':'
-       << k.accum_numel << ':' << dtypeName(k.reduce_dtype) << ';';
+    out += k.name + ':' + std::to_string(k.shard_numel) + ':' + dtypeName(k.gather_dtype) + ':' +
+           std::to_string(k.accum_numel) + ':' + dtypeName(k.reduce_dtype) + ';';
   }
-  return os.str();
+  return out;
 }
 
 }  // namespace torch_odc

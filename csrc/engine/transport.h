@@ -45,11 +45,12 @@ class Transport {
   // One-sided read from a peer's region.
   virtual void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) = 0;
   // One-sided accumulate: peer.accum[offset..] += scale * src[0..numel), safe under concurrent
-  // pushers into the same peer buffer. `locks_offset` addresses the key's lock words.
-  virtual void accumulate(int peer, size_t offset, size_t locks_offset, const void* src,
-                          size_t numel, DType dtype, double scale, Stream stream) = 0;
-  // Stores `value` into a peer's flag (no ordering beyond the preceding accumulates).
-  virtual void markPeer(int peer, size_t flag_offset, uint64_t value, Stream stream) = 0;
+  // pushers into the same peer buffer (`locks_offset` addresses the key's lock words, for
+  // transports that need locks); then stores `epoch` into the peer's flag at `pushed_offset`
+  // (read only after the barrier, so it needs no ordering of its own).
+  virtual void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
+                          uint64_t epoch, const void* src, size_t numel, DType dtype,
+                          double scale, Stream stream) = 0;
   // Returns once every data-path operation issued on `stream` has completed everywhere.
   virtual void quiesce(Stream stream) = 0;
 
@@ -62,6 +63,8 @@ class Transport {
   virtual void zeroLocal(size_t offset, size_t bytes, Stream stream) = 0;
   // False once the peer process is known to be gone.
   virtual bool peerAlive(int peer) = 0;
+  // The CUDA device the region lives on, or -1 for host memory.
+  virtual int deviceIndex() const { return -1; }
 };
 
 }  // namespace torch_odc

@@ -241,8 +241,9 @@ void ShmTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream
   std::memcpy(dst, at(peer, offset), bytes);
 }
 
-void ShmTransport::accumulate(int peer, size_t offset, size_t locks_offset, const void* src,
-                              size_t numel, DType dtype, double scale, Stream) {
+void ShmTransport::accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
+                              uint64_t epoch, const void* src, size_t numel, DType dtype,
+                              double scale, Stream) {
   const size_t esize = elementSize(dtype);
   uint8_t* dst = at(peer, offset);
   const auto* s = static_cast<const uint8_t*>(src);
@@ -263,10 +264,7 @@ void ShmTransport::accumulate(int peer, size_t offset, size_t locks_offset, cons
     accumulateCpu(dst + begin * esize, s + begin * esize, n, dtype, scale);
     lock->store(0, std::memory_order_release);
   }
-}
-
-void ShmTransport::markPeer(int peer, size_t flag_offset, uint64_t value, Stream) {
-  atomic64(at(peer, flag_offset))->store(value, std::memory_order_release);
+  atomic64(at(peer, pushed_offset))->store(epoch, std::memory_order_release);
 }
 
 void ShmTransport::quiesce(Stream) { std::atomic_thread_fence(std::memory_order_seq_cst); }

@@ -32,9 +32,9 @@ class ShmTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
-  void accumulate(int peer, size_t offset, size_t locks_offset, const void* src, size_t numel,
-                  DType dtype, double scale, Stream stream) override;
-  void markPeer(int peer, size_t flag_offset, uint64_t value, Stream stream) override;
+  void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
+                  uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
+                  Stream stream) override;
   void quiesce(Stream stream) override;
 
   void storeControl(size_t offset, uint64_t value) override;

@@ -1,0 +1,192 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "transport/cuda_ipc/kernels.h"
+
+namespace torch_odc::cuda_ipc {
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw OdcError(std::string("odc: CUDA error in ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+__device__ __forceinline__ uint64_t globalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t loadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void storeReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__global__ void publishKernel(uint64_t* flag, uint64_t value) {
+  // Earlier work on this stream (the shard-cache copy) has completed; make it visible to every
+  // device before the flag, which peers read with an acquire load.
+  __threadfence_system();
+  storeReleaseSys(flag, value);
+}
+
+__global__ void waitKernel(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
+                           DeviceError* error, uint32_t slot) {
+  const uint64_t start = globalTimerNs();
+  uint32_t backoff = 32;
+  while (loadAcquireSys(peer_flag) < value) {
+    if (globalTimerNs() - start > timeout_ns) {
+      // Give up: the host sees this at the next keyed call, Work::wait or the barrier, and
+      // raises; the data read after this wait is never used for an optimizer step.
+      error->slot = slot;
+      __threadfence_system();
+      atomicExch(&error->flag, 1u);
+      return;
+    }
+    __nanosleep(backoff);
+    if (backoff < 1024) backoff *= 2;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void redAdd(T* dst, T v);
+
+template <>
+__device__ __forceinline__ void redAdd<float>(float* dst, float v) {
+  atomicAdd(dst, v);  // result unused: compiled to red.global.add.f32
+}
+
+// fp32: 16-byte loads, one vector reduction per 4 elements (sm_90: red.global.add.v4.f32).
+__global__ void pushF32(float* __restrict__ dst, const float* __restrict__ src, size_t numel,
+                        float scale, uint64_t* pushed_flag, uint64_t epoch) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst) % 16 == 0) &&
+                       (reinterpret_cast<uintptr_t>(src) % 16 == 0);
+  size_t done = 0;
+  if (aligned) {
+    const size_t vecs = numel / 4;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* d4 = reinterpret_cast<float4*>(dst);
+    for (size_t i = tid; i < vecs; i += stride) {
+      float4 v = __ldg(s4 + i);
+      v.x *= scale;
+      v.y *= scale;
+      v.z *= scale;
+      v.w *= scale;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(d4 + i, v);
+#else
+      atomicAdd(&d4[i].x, v.x);
+      atomicAdd(&d4[i].y, v.y);
+      atomicAdd(&d4[i].z, v.z);
+      atomicAdd(&d4[i].w, v.w);
+#endif
+    }
+    done = vecs * 4;
+  }
+  for (size_t i = done + tid; i < numel; i += stride) atomicAdd(dst + i, src[i] * scale);
+  if (tid == 0) {
+    __threadfence_system();
+    *pushed_flag = epoch;
+  }
+}
+
+// bf16 / fp16: 16-byte loads (8 elements), four paired reductions (red.global.add.noftz.bf16x2
+// / f16x2).
+template <typename T2, typename T>
+__global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t numel,
+                          float scale, uint64_t* pushed_flag, uint64_t epoch) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst) % 16 == 0) &&
+                       (reinterpret_cast<uintptr_t>(src) % 16 == 0);
+  size_t done = 0;
+  if (aligned) {
+    const size_t vecs = numel / 8;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    T2* d2 = reinterpret_cast<T2*>(dst);
+    for (size_t i = tid; i < vecs; i += stride) {
+      uint4 raw = __ldg(s4 + i);
+      const T2* pairs = reinterpret_cast<const T2*>(&raw);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        float2 f;
+        if constexpr (sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16>) {
+          f = __bfloat1622float2(pairs[p]);
+          atomicAdd(d2 + 4 * i + p, __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale)));
+        } else {
+          f = __half22float2(pairs[p]);
+          atomicAdd(d2 + 4 * i + p, __float22half2_rn(make_float2(f.x * scale, f.y * scale)));
+        }
+      }
+    }
+    done = vecs * 8;
+  }
+  for (size_t i = done + tid; i < numel; i += stride) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      atomicAdd(dst + i, __float2bfloat16(__bfloat162float(src[i]) * scale));
+    } else {
+      atomicAdd(dst + i, __float2half(__half2float(src[i]) * scale));
+    }
+  }
+  if (tid == 0) {
+    __threadfence_system();
+    *pushed_flag = epoch;
+  }
+}
+
+}  // namespace
+
+void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
+  publishKernel<<<1, 1, 0, stream>>>(flag, value);
+  check(cudaGetLastError(), "publish kernel launch");
+}
+
+void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
+                DeviceError* error, uint32_t slot, cudaStream_t stream) {
+  waitKernel<<<1, 1, 0, stream>>>(peer_flag, value, timeout_ns, error, slot);
+  check(cudaGetLastError(), "wait kernel launch");
+}
+
+void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
+                uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream) {
+  constexpr int kThreads = 512;
+  const size_t per_vec = dtype == DType::kFloat32 ? 4 : 8;
+  const size_t work = (numel + per_vec - 1) / per_vec;
+  const int max_blocks = 2 * sm_count;
+  const int blocks = static_cast<int>(
+      std::max<size_t>(1, std::min<size_t>(max_blocks, (work + kThreads - 1) / kThreads)));
+  switch (dtype) {
+    case DType::kFloat32:
+      pushF32<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(dst),
+                                               static_cast<const float*>(src), numel, scale,
+                                               pushed_flag, epoch);
+      break;
+    case DType::kBFloat16:
+      pushHalf2<__nv_bfloat162, __nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(dst), static_cast<const __nv_bfloat16*>(src), numel, scale,
+          pushed_flag, epoch);
+      break;
+    case DType::kFloat16:
+      pushHalf2<__half2, __half><<<blocks, kThreads, 0, stream>>>(
+          static_cast<__half*>(dst), static_cast<const __half*>(src), numel, scale, pushed_flag,
+          epoch);
+      break;
+    default:
+      throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +
+                     " is not supported (fp32, bf16, fp16)");
+  }
+  check(cudaGetLastError(), "push kernel launch");
+}
+
+}  // namespace torch_odc::cuda_ipc

@@ -174,6 +174,7 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
                      in_bytes, stream);
     current_.bytes_fetched += in_bytes;
   }
+  transport_->endOp(stream);
 }
 
 void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,
@@ -198,6 +199,7 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
                            spec.accum_numel, dtype, scale, stream);
     if (owner != rank_) current_.bytes_pushed += chunk_bytes;
   }
+  transport_->endOp(stream);
 }
 
 bool Engine::publishedThisEpoch(size_t key) const {

@@ -51,6 +51,9 @@ class Transport {
   virtual void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
                           uint64_t epoch, const void* src, size_t numel, DType dtype,
                           double scale, Stream stream) = 0;
+  // Ends one keyed operation: whatever the transport ran beside `stream` (e.g. one side stream
+  // per peer) is joined back into it, so later work on `stream` sees the whole operation.
+  virtual void endOp(Stream /*stream*/) {}
   // Returns once every data-path operation issued on `stream` has completed everywhere.
   virtual void quiesce(Stream stream) = 0;
 

@@ -79,6 +79,15 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
           "cudaIpcOpenMemHandle of rank " + std::to_string(r) + "'s region");
     bases_[r] = static_cast<uint8_t*>(p);
   }
+  side_.assign(world_, nullptr);
+  joined_.assign(world_, nullptr);
+  side_used_.assign(world_, false);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    check(cudaStreamCreateWithFlags(&side_[r], cudaStreamNonBlocking), rank_, "stream create");
+    check(cudaEventCreateWithFlags(&joined_[r], cudaEventDisableTiming), rank_, "event create");
+  }
+  check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), rank_, "event create");
   // Nobody may use a region before its owner zeroed it and every rank opened every handle.
   rdv.set(prefix + "/ipc-open/" + std::to_string(rank_), "1");
   for (int r = 0; r < world_; ++r) {
@@ -100,6 +109,16 @@ void CudaIpcTransport::close() {
     }
     bases_[r] = nullptr;
   }
+  for (auto& s : side_) {
+    if (s) cudaStreamDestroy(s);
+    s = nullptr;
+  }
+  for (auto& e : joined_) {
+    if (e) cudaEventDestroy(e);
+    e = nullptr;
+  }
+  if (fork_) cudaEventDestroy(fork_);
+  fork_ = nullptr;
   if (error_host_) cudaFreeHost(error_host_);
   error_host_ = nullptr;
   error_device_ = nullptr;
@@ -113,6 +132,29 @@ uint8_t* CudaIpcTransport::at(int peer, size_t offset) const {
                    std::to_string(peer) + " is not mapped (transport closed?)");
   }
   return base + offset;
+}
+
+cudaStream_t CudaIpcTransport::peerStream(int peer, cudaStream_t main) {
+  if (peer == rank_) return main;
+  if (!forked_) {
+    check(cudaEventRecord(fork_, main), rank_, "fork event");
+    forked_ = true;
+  }
+  if (!side_used_[peer]) {
+    check(cudaStreamWaitEvent(side_[peer], fork_, 0), rank_, "fork wait");
+    side_used_[peer] = true;
+  }
+  return side_[peer];
+}
+
+void CudaIpcTransport::endOp(Stream stream) {
+  for (int r = 0; r < world_; ++r) {
+    if (!side_used_[r]) continue;
+    check(cudaEventRecord(joined_[r], side_[r]), rank_, "join event");
+    check(cudaStreamWaitEvent(asStream(stream), joined_[r], 0), rank_, "join wait");
+    side_used_[r] = false;
+  }
+  forked_ = false;
 }
 
 void CudaIpcTransport::checkDeviceErrors() {
@@ -153,11 +195,12 @@ void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
       ctx.deadline - Clock::now());
   cuda_ipc::launchWait(reinterpret_cast<const uint64_t*>(at(peer, flag_offset)), value,
                        static_cast<uint64_t>(std::max<int64_t>(remaining.count(), 0)),
-                       error_device_, slot, asStream(stream));
+                       error_device_, slot, peerStream(peer, asStream(stream)));
 }
 
 void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) {
-  check(cudaMemcpyAsync(dst, at(peer, offset), bytes, cudaMemcpyDeviceToDevice, asStream(stream)),
+  check(cudaMemcpyAsync(dst, at(peer, offset), bytes, cudaMemcpyDeviceToDevice,
+                        peerStream(peer, asStream(stream))),
         rank_, "peer read from rank " + std::to_string(peer));
 }
 
@@ -166,7 +209,7 @@ void CudaIpcTransport::accumulate(int peer, size_t offset, size_t /*locks_offset
                                   size_t numel, DType dtype, double scale, Stream stream) {
   cuda_ipc::launchPush(at(peer, offset), src, numel, dtype, static_cast<float>(scale),
                        reinterpret_cast<uint64_t*>(at(peer, pushed_offset)), epoch, sm_count_,
-                       asStream(stream));
+                       peerStream(peer, asStream(stream)));
 }
 
 void CudaIpcTransport::quiesce(Stream) {

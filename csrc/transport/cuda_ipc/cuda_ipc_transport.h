@@ -46,6 +46,7 @@ class CudaIpcTransport : public Transport {
   void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
                   uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
                   Stream stream) override;
+  void endOp(Stream stream) override;
   void quiesce(Stream stream) override;
 
   void storeControl(size_t offset, uint64_t value) override;
@@ -61,6 +62,9 @@ class CudaIpcTransport : public Transport {
 
  private:
   uint8_t* at(int peer, size_t offset) const;
+  // The stream a peer's part of the current op runs on: its side stream, forked from `main`
+  // at the op's first peer access, so reads from / pushes to different peers run concurrently.
+  cudaStream_t peerStream(int peer, cudaStream_t main);
 
   const int rank_;
   const int world_;
@@ -77,6 +81,11 @@ class CudaIpcTransport : public Transport {
   std::vector<std::function<std::string()>> wait_descriptions_;
   uint32_t next_slot_ = 0;
   std::mutex mu_;
+  std::vector<cudaStream_t> side_;      // per peer
+  std::vector<cudaEvent_t> joined_;     // per peer: end of its part of the current op
+  std::vector<bool> side_used_;
+  cudaEvent_t fork_ = nullptr;
+  bool forked_ = false;
 };
 
 }  // namespace torch_odc

@@ -77,20 +77,32 @@ __global__ void pushF32(float* __restrict__ dst, const float* __restrict__ src, 
     const size_t vecs = numel / 4;
     const float4* s4 = reinterpret_cast<const float4*>(src);
     float4* d4 = reinterpret_cast<float4*>(dst);
-    for (size_t i = tid; i < vecs; i += stride) {
-      float4 v = __ldg(s4 + i);
-      v.x *= scale;
-      v.y *= scale;
-      v.z *= scale;
-      v.w *= scale;
+    constexpr int kUnroll = 4;  // independent loads in flight before the reductions
+    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
+      float4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t i = base + u * stride;
+        if (i < vecs) v[u] = __ldg(s4 + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t i = base + u * stride;
+        if (i >= vecs) break;
+        float4 x = v[u];
+        x.x *= scale;
+        x.y *= scale;
+        x.z *= scale;
+        x.w *= scale;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      atomicAdd(d4 + i, v);
+        atomicAdd(d4 + i, x);
 #else
-      atomicAdd(&d4[i].x, v.x);
-      atomicAdd(&d4[i].y, v.y);
-      atomicAdd(&d4[i].z, v.z);
-      atomicAdd(&d4[i].w, v.w);
+        atomicAdd(&d4[i].x, x.x);
+        atomicAdd(&d4[i].y, x.y);
+        atomicAdd(&d4[i].z, x.z);
+        atomicAdd(&d4[i].w, x.w);
 #endif
+      }
     }
     done = vecs * 4;
   }

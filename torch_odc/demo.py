@@ -226,8 +226,11 @@ def main(argv=None) -> None:
     if args.world_size is None:
         args.world_size = gpus if args.device == "cuda" else 4
     if args.device == "cuda" and args.mode != "collective":
-        print("note: the CUDA on-demand transport is not built yet; on GPUs attach() keeps "
-              "collective semantics")
+        import torch_odc
+
+        if not torch_odc._C._has_cuda_transport():
+            print("note: this build has no CUDA transport; on GPUs attach() keeps collective "
+                  "semantics")
 
     print(f"torch-odc demo: {args.world_size} {args.device} ranks, "
           f"{args.sequences_per_rank} variable-length sequences per rank per minibatch, "

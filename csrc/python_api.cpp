@@ -113,17 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("published").publishedThisEpoch(key);
            })
-      .def(
-          "_arrive",
-          [](torch_odc::OdcBackend& self) {
-            auto& e = self.engine("minibatch barrier");
-            try {
-              e.arrive(nullptr);
-            } catch (const torch_odc::OdcError& err) {
-              throw std::runtime_error(err.what());
-            }
-          },
-          py::call_guard<py::gil_scoped_release>())
+      .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
+           py::call_guard<py::gil_scoped_release>())
       .def("_pushed",
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("pushed").pushedThisEpoch(key);
@@ -139,17 +130,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return torch::from_blob(e.accumulator(key), {static_cast<int64_t>(spec.accum_numel)},
                                      options);
            })
-      .def(
-          "_release",
-          [](torch_odc::OdcBackend& self) {
-            auto& e = self.engine("minibatch barrier");
-            try {
-              e.release(nullptr);
-            } catch (const torch_odc::OdcError& err) {
-              throw std::runtime_error(err.what());
-            }
-          },
-          py::call_guard<py::gil_scoped_release>())
+      .def("_release", &torch_odc::OdcBackend::barrierRelease,
+           py::call_guard<py::gil_scoped_release>())
       .def("_stats", [](torch_odc::OdcBackend& self) {
         auto& e = self.engine("stats");
         py::dict d;

@@ -283,3 +283,13 @@ def _difference(got, want):
         if not torch.equal(a, b):
             return f"tensor {i} differs: max abs diff {(a.double() - b.double()).abs().max()}"
     return None
+
+
+def assert_case(world, per_rank, name, rejected):
+    """Every rank's outcome of case `name` matched the reference, and succeeded unless the
+    reference backend rejects the operation (then odc must reject it too)."""
+    for rank, rep in enumerate(per_rank):
+        diff, kind = rep[name]
+        assert diff is None, f"world {world} rank {rank} {name}: {diff}"
+        expected = "error" if name in rejected else "ok"
+        assert kind == expected, f"world {world} rank {rank} {name}: odc outcome {kind}"

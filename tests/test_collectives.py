@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from collective_cases import cases, compare_all
+from collective_cases import assert_case, cases, compare_all
 from multiproc import run_ranks
 
 # Operations gloo itself rejects (odc must reject them the same way); all others must succeed.
@@ -20,11 +20,7 @@ def report(request):
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_forwarded_collective_matches_gloo(report, name):
     world, per_rank = report
-    for rank, rep in enumerate(per_rank):
-        diff, kind = rep[name]
-        assert diff is None, f"world {world} rank {rank} {name}: {diff}"
-        expected = "error" if name in GLOO_REJECTS else "ok"
-        assert kind == expected, f"world {world} rank {rank} {name}: odc outcome {kind}"
+    assert_case(world, per_rank, name, GLOO_REJECTS)
 
 
 def _backend_facts(rank, world):

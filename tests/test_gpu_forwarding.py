@@ -5,7 +5,7 @@ Skipped without at least 2 GPUs. Run on a multi-GPU machine with: pytest tests -
 
 import pytest
 import torch
-from collective_cases import cases, compare_all
+from collective_cases import assert_case, cases, compare_all
 from multiproc import run_ranks
 from test_fsdp_forwarding import train_fsdp2
 
@@ -25,11 +25,7 @@ def gpu_report(request):
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_gpu_forwarded_collective_matches_nccl(gpu_report, name):
     world, per_rank = gpu_report
-    for rank, rep in enumerate(per_rank):
-        diff, kind = rep[name]
-        assert diff is None, f"world {world} rank {rank} {name}: {diff}"
-        expected = "error" if name in NCCL_REJECTS else "ok"
-        assert kind == expected, f"world {world} rank {rank} {name}: odc outcome {kind}"
+    assert_case(world, per_rank, name, NCCL_REJECTS)
 
 
 def _lazy_cuda_backend(rank, world):

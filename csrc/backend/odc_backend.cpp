@@ -471,6 +471,16 @@ Engine& OdcBackend::engine(const char* op) {
   return *engine_;
 }
 
+void OdcBackend::barrierArrive() {
+  auto& eng = engine("minibatch barrier");
+  engineCall([&] { eng.arrive(nullptr); });
+}
+
+void OdcBackend::barrierRelease() {
+  auto& eng = engine("minibatch barrier");
+  engineCall([&] { eng.release(nullptr); });
+}
+
 WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
   auto& eng = engine("keyed all-gather");
   const Stream stream = keyedStream(eng, input, output, "all-gather", key);

@@ -111,6 +111,9 @@ class OdcBackend : public c10d::Backend {
   void connectEngine(const std::vector<KeySpec>& keys, int device_index);
   void disconnectEngine();
   Engine& engine(const char* op);
+  // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
+  void barrierArrive();
+  void barrierRelease();
   bool hasEngine() const;
 
   void shutdown() override;

@@ -57,12 +57,9 @@ __global__ void waitKernel(const uint64_t* peer_flag, uint64_t value, uint64_t t
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void redAdd(T* dst, T v);
-
-template <>
-__device__ __forceinline__ void redAdd<float>(float* dst, float v) {
-  atomicAdd(dst, v);  // result unused: compiled to red.global.add.f32
+// The 16-byte vector paths need both buffers 16-byte aligned (FSDP2 chunks need not be).
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) {
+  return (reinterpret_cast<uintptr_t>(a) % 16 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
 }
 
 // fp32: 16-byte loads, one vector reduction per 4 elements (sm_90: red.global.add.v4.f32).
@@ -70,8 +67,7 @@ __global__ void pushF32(float* __restrict__ dst, const float* __restrict__ src, 
                         float scale, uint64_t* pushed_flag, uint64_t epoch) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool aligned = (reinterpret_cast<uintptr_t>(dst) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(src) % 16 == 0);
+  const bool aligned = aligned16(dst, src);
   size_t done = 0;
   if (aligned) {
     const size_t vecs = numel / 4;
@@ -120,8 +116,7 @@ __global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t
                           float scale, uint64_t* pushed_flag, uint64_t epoch) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool aligned = (reinterpret_cast<uintptr_t>(dst) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(src) % 16 == 0);
+  const bool aligned = aligned16(dst, src);
   size_t done = 0;
   if (aligned) {
     const size_t vecs = numel / 8;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2 and (when present) 4 GPUs. Logs and results go to $OUT (default: benchmarks/results).
-#   bash benchmarks/device_run.sh [tests|bench|sanitize|all]
+#   bash benchmarks/device_run.sh [tests|bench|sanitize|e2e|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -23,6 +23,13 @@ if [[ $what == bench || $what == all ]]; then
     (( n <= gpus )) || continue
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
+  done
+fi
+if [[ $what == e2e ]]; then  # issue 6: needs 4 GPUs; ~10 min for both runs
+  for spr in 4 16; do
+    timeout 290 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT" \
+      --seqs-per-rank "$spr" --tag "e2e_1b_${gpus}gpu_${spr}spr" 2>&1 \
+      | tee "$OUT/bench_e2e_${spr}spr.log" | tail -12 || rc=1
   done
 fi
 if [[ $what == sanitize ]]; then

@@ -1,0 +1,383 @@
+"""End-to-end training benchmark: FSDP2 over NCCL with LB-Micro vs ODC with LB-Mini / LB-Micro.
+
+Launch one process per GPU (the device runs; see docs/benchmarks.md):
+
+    torchrun --nproc-per-node=4 benchmarks/bench_e2e.py --out benchmarks/results
+
+A Llama-style decoder (RMSNorm, rotary, SwiGLU, causal SDPA; random init, no downloads) trained
+with bf16 compute, fp32 master weights and fp32 gradient reduction, activation checkpointing,
+per-layer fully_shard plus root. One sequence per microbatch (no padding). Every configuration
+runs in the same processes on the same seeded samples:
+
+* ``nccl-micro``: plain FSDP2 on an NCCL group, LB-Micro plan (same microbatch count per rank);
+* ``odc-mini``:   FSDP2 + torch_odc.attach on the "odc" group, LB-Mini plan;
+* ``odc-micro``:  the same with the LB-Micro plan (isolates the transport from the balancing).
+
+Per configuration: tokens/s per GPU, MFU, per-rank busy time and idle fraction over the measured
+minibatches, peak memory, and the planner's predicted makespan ratio micro/mini for the same data.
+Busy time on GPUs is the union of the rank's compute kernels (profiler; communication kernels,
+ODC waits and peer copies excluded) inside the minibatch window; idle = wall - busy. On CPU (a
+smoke test of the code path: --device cpu, tiny model) busy is the host time outside
+communication and is only indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import equal, long_context, rl_like  # noqa: E402
+
+import torch_odc  # noqa: E402
+from torch_odc import balance  # noqa: E402
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal}
+MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
+    "1b": (2048, 18, 16, 8, 5632, 32000),
+    "tiny": (64, 2, 4, 2, 176, 512),
+}
+H200_BF16_DENSE_FLOPS = 989.4e12
+COMM_KERNELS = ("nccl", "waitKernel", "publishKernel", "pushF32", "pushHalf2", "Memcpy PtoP")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * (
+            self.weight
+        )
+
+
+def rotary(x, base: float = 500000.0):
+    b, h, t, d = x.shape
+    inv = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads, ffn):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w13 = nn.Linear(dim, 2 * ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(h).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        att = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True,
+                                             enable_gqa=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, dim, layers, heads, kv_heads, ffn, vocab, checkpointing=True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.checkpointing = checkpointing
+
+    def forward(self, tokens, chunk: int = 8192):
+        """Summed next-token loss of one sequence; the LM head runs in chunks to bound memory."""
+        x = self.embed(tokens[None, :-1])
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+        x = self.norm(x)[0]
+        targets = tokens[1:]
+        total = x.new_zeros((), dtype=torch.float32)
+        for s in range(0, x.shape[0], chunk):
+            logits = self.head(x[s : s + chunk]).float()
+            total = total + F.cross_entropy(logits, targets[s : s + chunk], reduction="sum")
+        return total
+
+
+def model_flops(lengths, n_params: float, layers: int, dim: int) -> float:
+    """Training flops (forward + backward, no recompute): 6 N L + 6 layers dim L^2 (causal)."""
+    return float(sum(6 * n_params * n + 6 * layers * dim * n * n for n in lengths))
+
+
+def plans(lengths, world, mode, n_params, layers, dim):
+    """One sequence per microbatch: a cap of one token makes every sequence its own microbatch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", balance.OversizedSequenceWarning)
+        return balance.plan([int(n) for n in lengths], world, 1, mode=mode, cost="flops",
+                            num_params=n_params, num_layers=layers, hidden_size=dim)
+
+
+def merged_busy(intervals):
+    """Union of (start, end) intervals: total length and the merged spans."""
+    spans, total = [], 0.0
+    for s, e in sorted(intervals):
+        if spans and s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([s, e])
+    for s, e in spans:
+        total += e - s
+    return total, spans
+
+
+def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dim, layers, heads, kv_heads, ffn, vocab = MODELS[args.model]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    odc = cfg.startswith("odc")
+    group = dist.group.WORLD if odc else nccl_group
+    mesh = DeviceMesh.from_group(group, device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    handle = torch_odc.attach(model) if odc else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mode = cfg.split("-")[1]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = []
+    for mb, lengths in enumerate(workload_lengths):
+        plan = plans(lengths, world, mode, n_params, layers, dim)
+        total_tokens = int(sum(lengths))
+        measured = mb >= args.warmup
+        prof = None
+        if measured and device.type == "cuda" and mb == len(workload_lengths) - 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        dist.barrier(group=nccl_group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        comm_s = 0.0
+        for micro in plan.microbatches[rank]:
+            if not micro:  # LB-Micro pads with an empty microbatch: still one forward (collective)
+                if odc:
+                    continue
+                tokens = torch.zeros(2, dtype=torch.long, device=device)
+                (model(tokens) * 0.0).backward()
+                continue
+            (idx,) = micro
+            gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
+            tokens = torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen).to(device)
+            (model(tokens) * world / total_tokens).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_work = time.perf_counter() - t0
+        if odc:
+            tb = time.perf_counter()
+            torch_odc.minibatch_barrier()
+            comm_s += time.perf_counter() - tb
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not measured:
+            continue
+        row = {"minibatch": mb, "wall_s": wall, "work_s": t_work, "barrier_s": comm_s,
+               "tokens": total_tokens, "microbatches": len(plan.microbatches[rank])}
+        if prof is not None:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            compute = [(e.time_range.start, e.time_range.end) for e in kernels
+                       if not any(k in e.name for k in COMM_KERNELS)]
+            if compute:
+                start = min(s for s, _ in compute)
+                busy_us, spans = merged_busy([(s - start, e - start) for s, e in compute])
+                row["busy_s"] = busy_us / 1e6
+                row["busy_spans_ms"] = [[s / 1e3, e / 1e3] for s, e in spans]
+        else:
+            row["busy_s"] = t_work
+        rows.append(row)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if handle is not None:
+        handle.detach()
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"rows": rows, "peak_mem_gib": peak, "n_params": n_params}
+
+
+def summarize(per_rank, args, world, lengths_measured, n_params):
+    dim, layers = MODELS[args.model][0], MODELS[args.model][1]
+    wall = sum(max(r["rows"][i]["wall_s"] for r in per_rank)
+               for i in range(len(per_rank[0]["rows"])))
+    tokens = sum(int(sum(x)) for x in lengths_measured)
+    flops = sum(model_flops(x, n_params, layers, dim) for x in lengths_measured)
+    # Busy/idle over the last measured minibatch (the profiled one on GPUs).
+    last_wall = max(r["rows"][-1]["wall_s"] for r in per_rank)
+    busy = [r["rows"][-1].get("busy_s", 0.0) for r in per_rank]
+    idle = [1 - b / last_wall for b in busy]
+    return {
+        "tokens_per_s_per_gpu": tokens / wall / world,
+        "mfu": flops / wall / world / H200_BF16_DENSE_FLOPS if args.device == "cuda" else None,
+        "wall_s": wall,
+        "last_minibatch_wall_s": last_wall,
+        "busy_s_per_rank": busy,
+        "idle_fraction_per_rank": idle,
+        "idle_fraction_mean": float(np.mean(idle)),
+        "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
+        "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
+        "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
+    }
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(results["workloads"])
+    configs = results["configs"]
+    rows_per_timeline = len(configs) * results["world"]
+    heights = [3] + [0.25 * rows_per_timeline + 1] * len(workloads)
+    fig, axes = plt.subplots(1 + len(workloads), 1, figsize=(11, sum(heights)),
+                             gridspec_kw={"height_ratios": heights})
+    ax = axes[0]
+    width = 0.8 / len(configs)
+    for i, cfg in enumerate(configs):
+        vals = [results["workloads"][w]["configs"][cfg]["tokens_per_s_per_gpu"] for w in workloads]
+        ax.bar(np.arange(len(workloads)) + i * width, vals, width, label=cfg)
+    ax.set_xticks(np.arange(len(workloads)) + width * (len(configs) - 1) / 2, workloads)
+    ax.set_ylabel("tokens/s per GPU")
+    ax.legend()
+    for ax, w in zip(axes[1:], workloads):  # one timeline per workload: ranks x configs
+        y = 0
+        for cfg in configs:
+            for rank, spans in enumerate(results["workloads"][w]["configs"][cfg]["timeline"]):
+                for s, e in spans or []:
+                    ax.barh(y, e - s, left=s, height=0.8, color=f"C{configs.index(cfg)}")
+                ax.text(0, y, f"{cfg} r{rank} ", ha="right", va="center", fontsize=7)
+                y += 1
+            y += 0.5
+        ax.set_yticks([])
+        ax.set_xlabel(f"{w}: busy (compute kernels) across the last measured minibatch, ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"])
+    p.add_argument("--seqs-per-rank", type=int, default=4)
+    p.add_argument("--minibatches", type=int, default=3, help="measured minibatches")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply sequence lengths (CPU smoke tests use ~1/256)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="file name tag (default: model_world)")
+    args = p.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("odc", timeout=datetime.timedelta(minutes=10))
+    ref_backend = "nccl" if args.device == "cuda" else "gloo"
+    nccl_group = dist.new_group(backend=ref_backend)
+    configs = [c.replace("nccl", ref_backend) if args.device == "cpu" else c for c in args.configs]
+    dim, layers = MODELS[args.model][0], MODELS[args.model][1]
+    results = {"workloads": {}, "configs": configs, "world": world}
+    n_minibatches = args.warmup + args.minibatches
+    for w in args.workloads:
+        rng = np.random.default_rng(1234)
+        lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
+                                  * args.length_scale).astype(np.int64))
+                   for _ in range(n_minibatches)]
+        measured = lengths[args.warmup:]
+        entry = {"configs": {}}
+        for cfg in configs:
+            out = run_config(cfg, args, device, world, rank, lengths, nccl_group)
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, out, group=nccl_group)
+            if rank == 0:
+                summary = summarize(per_rank, args, world, measured, out["n_params"])
+                summary["timeline"] = [r["rows"][-1].get("busy_spans_ms") for r in per_rank]
+                entry["configs"][cfg] = summary
+                entry["n_params"] = out["n_params"]
+                print(f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
+                      f"{summary['idle_fraction_mean']:.1%}", flush=True)
+        if rank == 0:
+            n_params = entry["n_params"]
+            ratios = [plans(x, world, "micro", n_params, layers, dim).makespan
+                      / plans(x, world, "mini", n_params, layers, dim).makespan for x in measured]
+            entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
+            entry["mean_length"] = float(np.mean(np.concatenate(measured)))
+            base = entry["configs"][configs[0]]["tokens_per_s_per_gpu"]
+            for cfg, s in entry["configs"].items():
+                s["speedup_vs_" + configs[0]] = s["tokens_per_s_per_gpu"] / base
+            results["workloads"][w] = entry
+    if rank == 0:
+        results["environment"] = {
+            "host": socket.gethostname(), "device": args.device,
+            "gpu": torch.cuda.get_device_name(device) if args.device == "cuda" else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
+            "model": args.model, "seqs_per_rank": args.seqs_per_rank,
+        }
+        tag = args.tag or f"e2e_{args.model}_{world}{'gpu' if args.device == 'cuda' else 'cpu'}"
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, tag + ".json"), "w") as f:
+            json.dump(results, f, indent=1)
+        plot(results, os.path.join(args.out, tag + ".png"))
+        print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
+              f"{'idle':>7}{'peak GiB':>9}  planner micro/mini")
+        for w, entry in results["workloads"].items():
+            for cfg, s in entry["configs"].items():
+                mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
+                peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
+                print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
+                      f"{s['speedup_vs_' + configs[0]]:>8.2f}{mfu:>7}"
+                      f"{s['idle_fraction_mean']:>7.1%}{peak:>9.1f}  "
+                      f"{entry['predicted_speedup_mini_over_micro']:.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -35,15 +35,15 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import equal, long_context, rl_like  # noqa: E402
+from workloads import equal, long_context, rl_like
 
-import torch_odc  # noqa: E402
-from torch_odc import balance  # noqa: E402
+import torch_odc
+from torch_odc import balance
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal}
@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x, base: float = 500000.0):
-    b, h, t, d = x.shape
+    t, d = x.shape[-2:]
     inv = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     ang = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * inv[None]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)

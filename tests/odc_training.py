@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from torch_odc.demo import TinyDecoder
 

@@ -44,7 +44,7 @@ def test_fsdp2_over_odc_matches_gloo(world, reshard_after_forward):
         assert odc_params.keys() == ref_params.keys()
         for name in ref_params:
             torch.testing.assert_close(odc_params[name], ref_params[name], rtol=0, atol=1e-6,
-                                       msg=lambda m, n=name: f"rank {rank} param {n}: {m}")
+                                       msg=lambda m, n=name, r=rank: f"rank {r} param {n}: {m}")
     # Training moved the parameters: the comparison is not between two untouched models.
     torch.manual_seed(0)
     init = TinyDecoder(vocab=97, dim=32, layers=3, heads=4, max_len=64).state_dict()

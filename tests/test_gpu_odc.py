@@ -45,7 +45,7 @@ def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol):
     for rank in range(world):
         for name, want in nccl[rank][0].items():
             torch.testing.assert_close(odc[rank][0][name], want, rtol=0, atol=atol,
-                                       msg=lambda m, n=name: f"rank {rank} {n} vs NCCL: {m}")
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n} vs NCCL: {m}")
             if mp is None:
                 torch.testing.assert_close(odc[rank][0][name], cpu_ref[name], rtol=0, atol=1e-4)
         stats = odc[rank][1]["total"]

@@ -48,7 +48,7 @@ def test_odc_training_matches_single_process_reference(
         moved, err2, upd2 = 0.0, 0.0, 0.0
         for name, ref in want.items():
             torch.testing.assert_close(params[name], ref, rtol=0, atol=atol,
-                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
             moved = max(moved, (ref - init[name]).abs().max().item())
             err2 += ((params[name] - ref) ** 2).sum().item()
             upd2 += ((ref - init[name]) ** 2).sum().item()
@@ -66,8 +66,8 @@ def test_fast_rank_does_not_wait_for_a_slow_rank_before_the_barrier():
     # Rank 1 sleeps 3 s inside its second microbatch.
     results = run_ranks(2, train_odc, plan, False, None, True, LR, (0, 1, 1))
     (_, fast_stats, fast_timeline), (_, _, slow_timeline) = results
-    fast_enter = dict(((e, mb), t) for e, mb, t in fast_timeline)[("barrier_enter", 0)]
-    slow_enter = dict(((e, mb), t) for e, mb, t in slow_timeline)[("barrier_enter", 0)]
+    fast_enter = {(e, mb): t for e, mb, t in fast_timeline}[("barrier_enter", 0)]
+    slow_enter = {(e, mb): t for e, mb, t in slow_timeline}[("barrier_enter", 0)]
     assert slow_enter - fast_enter > 2.0, (fast_enter, slow_enter)
     assert fast_stats["last"]["publish_wait_s"] < 1.0, fast_stats
     assert fast_stats["last"]["barrier_s"] > 2.0, fast_stats  # it waited there, and only there

@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_NAME",
     "Handle",
+    "__version__",
     "attach",
     "minibatch_barrier",
     "odc_backend",
     "register",
     "stats",
-    "__version__",
 ]

@@ -263,7 +263,7 @@ def minibatch_barrier() -> None:
     all their microbatches since the previous barrier, as FSDP2 with gradient accumulation
     computes it. Call it on every rank, before ``optimizer.step()``.
     """
-    for handle in list(_handles):
+    for handle in _handles:
         handle.barrier()
 
 

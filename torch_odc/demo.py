@@ -18,8 +18,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class Block(nn.Module):
@@ -107,9 +107,9 @@ def _free_port() -> int:
 
 
 def _train(rank: int, args, port: int, results) -> None:
-    import torch_odc  # noqa: F401  (registers "odc")
     from torch.distributed.device_mesh import init_device_mesh
 
+    import torch_odc
     from torch_odc import balance
 
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")

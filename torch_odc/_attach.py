@@ -74,10 +74,10 @@ class _Key:
     prev_reduce_scatter: object
 
 
-def _describe_unsupported(name, param_group, mesh_info) -> str | None:
+def _describe_unsupported(param_group) -> str | None:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import HSDPMeshInfo
 
-    if isinstance(mesh_info, HSDPMeshInfo):
+    if isinstance(param_group.mesh_info, HSDPMeshInfo):
         return "HSDP (a 2-D mesh with replication) is not supported yet"
     for fp in param_group.fsdp_params:
         if getattr(fp, "offload_to_cpu", False):
@@ -195,7 +195,7 @@ def attach(model: torch.nn.Module) -> Handle:
         pg = state._fsdp_param_group
         if pg is None:  # a module that owns no parameters of its own never communicates
             continue
-        problem = _describe_unsupported(name, pg, pg.mesh_info)
+        problem = _describe_unsupported(pg)
         if problem:
             raise NotImplementedError(f"torch_odc.attach: module '{name or '<root>'}': {problem}")
         orig = pg.fsdp_params[0].sharded_param.dtype

@@ -94,8 +94,10 @@ class LlamaBlock(nn.Module):
         q = self.wq(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.wkv(h).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        att = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True,
-                                             enable_gqa=True)
+        # Expand the kv heads so the flash kernel runs (its GQA support varies by version).
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
         x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)

@@ -187,17 +187,29 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         comm_s = 0.0
+        marks = []  # (tokens, start event, end event, host seconds) per microbatch
         for micro in plan.microbatches[rank]:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+                if device.type == "cuda" else None
+            if ev:
+                ev[0].record()
+            th = time.perf_counter()
             if not micro:  # LB-Micro pads with an empty microbatch: still one forward (collective)
                 if odc:
                     continue
                 tokens = torch.zeros(2, dtype=torch.long, device=device)
                 (model(tokens) * 0.0).backward()
+                if ev:
+                    ev[1].record()
+                marks.append((0, ev, time.perf_counter() - th))
                 continue
             (idx,) = micro
             gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
             tokens = torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen).to(device)
             (model(tokens) * world / total_tokens).backward()
+            if ev:
+                ev[1].record()
+            marks.append((int(lengths[idx]), ev, time.perf_counter() - th))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t_work = time.perf_counter() - t0
@@ -215,7 +227,10 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
         if not measured:
             continue
         row = {"minibatch": mb, "wall_s": wall, "work_s": t_work, "barrier_s": comm_s,
-               "tokens": total_tokens, "microbatches": len(plan.microbatches[rank])}
+               "tokens": total_tokens, "microbatches": len(plan.microbatches[rank]),
+               # per microbatch: [tokens, GPU ms (start to end event), host ms to enqueue]
+               "per_micro": [[n, round(e[0].elapsed_time(e[1]), 2) if e else None,
+                              round(h * 1e3, 2)] for n, e, h in marks]}
         if prof is not None:
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             compute = [(e.time_range.start, e.time_range.end) for e in kernels
@@ -224,17 +239,25 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
                 start = min(s for s, _ in compute)
                 busy_us, spans = merged_busy([(s - start, e - start) for s, e in compute])
                 row["busy_s"] = busy_us / 1e6
-                row["busy_spans_ms"] = [[s / 1e3, e / 1e3] for s, e in spans]
+                # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
+                _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
+                row["busy_spans_ms"] = [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
+                                        for s, e in coarse]
         else:
             row["busy_s"] = t_work
         rows.append(row)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    alloc = {}
+    if device.type == "cuda":
+        st = torch.cuda.memory_stats(device)
+        alloc = {k: st.get(k) for k in ("num_alloc_retries", "num_device_alloc",
+                                         "num_device_free")}
     if handle is not None:
         handle.detach()
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rows": rows, "peak_mem_gib": peak, "n_params": n_params}
+    return {"rows": rows, "peak_mem_gib": peak, "n_params": n_params, "allocator": alloc}
 
 
 def summarize(per_rank, args, world, lengths_measured, n_params):
@@ -258,6 +281,10 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
         "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
         "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
+        "wall_s_per_rank_last": [r["rows"][-1]["wall_s"] for r in per_rank],
+        "work_s_per_rank_last": [r["rows"][-1]["work_s"] for r in per_rank],
+        "per_micro_last": [r["rows"][-1]["per_micro"] for r in per_rank],
+        "allocator_per_rank": [r["allocator"] for r in per_rank],
     }
 
 
@@ -285,8 +312,8 @@ def plot(results, path):
         y = 0
         for cfg in configs:
             for rank, spans in enumerate(results["workloads"][w]["configs"][cfg]["timeline"]):
-                for s, e in spans or []:
-                    ax.barh(y, e - s, left=s, height=0.8, color=f"C{configs.index(cfg)}")
+                ax.broken_barh([(s, e - s) for s, e in spans or []], (y - 0.4, 0.8),
+                               color=f"C{configs.index(cfg)}")
                 ax.text(0, y, f"{cfg} r{rank} ", ha="right", va="center", fontsize=7)
                 y += 1
             y += 0.5
@@ -321,7 +348,10 @@ def main():
     dist.init_process_group("odc", timeout=datetime.timedelta(minutes=10))
     ref_backend = "nccl" if args.device == "cuda" else "gloo"
     nccl_group = dist.new_group(backend=ref_backend)
-    configs = [c.replace("nccl", ref_backend) if args.device == "cpu" else c for c in args.configs]
+    configs = []  # a repeated config (to expose order effects) gets a "#2" suffix
+    for c in args.configs:
+        c = c.replace("nccl", ref_backend) if args.device == "cpu" else c
+        configs.append(c if c not in configs else f"{c}#{sum(x.split('#')[0] == c for x in configs) + 1}")
     dim, layers = MODELS[args.model][0], MODELS[args.model][1]
     results = {"workloads": {}, "configs": configs, "world": world}
     n_minibatches = args.warmup + args.minibatches
@@ -333,7 +363,7 @@ def main():
         measured = lengths[args.warmup:]
         entry = {"configs": {}}
         for cfg in configs:
-            out = run_config(cfg, args, device, world, rank, lengths, nccl_group)
+            out = run_config(cfg.split("#")[0], args, device, world, rank, lengths, nccl_group)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:
@@ -343,6 +373,14 @@ def main():
                 entry["n_params"] = out["n_params"]
                 print(f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
                       f"{summary['idle_fraction_mean']:.1%}", flush=True)
+                for r, pr in enumerate(per_rank):  # the last minibatch, per rank
+                    last = pr["rows"][-1]
+                    gpu = sum(m[1] or 0 for m in last["per_micro"])
+                    print(f"   r{r}: micro {last['microbatches']:2d} tokens "
+                          f"{sum(m[0] for m in last['per_micro']):6d} wall {last['wall_s']:.3f} "
+                          f"work {last['work_s']:.3f} barrier {last['barrier_s']:.3f} busy "
+                          f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
+                          f"alloc {pr['allocator']}", flush=True)
         if rank == 0:
             n_params = entry["n_params"]
             ratios = [plans(x, world, "micro", n_params, layers, dim).makespan

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -52,7 +53,8 @@ MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
     "tiny": (64, 2, 4, 2, 176, 512),
 }
 H200_BF16_DENSE_FLOPS = 989.4e12
-COMM_KERNELS = ("nccl", "waitKernel", "publishKernel", "pushF32", "pushHalf2", "Memcpy PtoP")
+COMM_KERNELS = ("nccl", "waitKernel", "publishKernel", "pushF32", "pushHalf2", "Memcpy PtoP",
+                "odcWaitAll", "odcGather", "odcPush")
 
 
 class RMSNorm(nn.Module):
@@ -131,12 +133,68 @@ def model_flops(lengths, n_params: float, layers: int, dim: int) -> float:
     return float(sum(6 * n_params * n + 6 * layers * dim * n * n for n in lengths))
 
 
-def plans(lengths, world, mode, n_params, layers, dim):
+def plans(lengths, world, mode, cost):
     """One sequence per microbatch: a cap of one token makes every sequence its own microbatch."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", balance.OversizedSequenceWarning)
-        return balance.plan([int(n) for n in lengths], world, 1, mode=mode, cost="flops",
-                            num_params=n_params, num_layers=layers, hidden_size=dim)
+        return balance.plan([int(n) for n in lengths], world, 1, mode=mode, cost=cost)
+
+
+def time_cost(flops_per_s: float, floor_s: float, n_params: float, layers: int, dim: int):
+    """Seconds of one sequence as its own microbatch: GPU time at the measured rate, but never
+    less than the measured per-microbatch floor (the host time to issue a forward and backward
+    of every layer, which bounds short sequences)."""
+    def cost(length):
+        f = balance.flops_cost(int(length), num_params=n_params, num_layers=layers,
+                               hidden_size=dim)
+        return max(f / flops_per_s, floor_s)
+    return cost
+
+
+def calibrate(args, device, nccl_group):
+    """Measures the cost model on this machine: the time of a short (floor) and a long (rate)
+    sequence under ODC, max/min over ranks so every rank plans with the same numbers."""
+    dim, layers, vocab = MODELS[args.model][0], MODELS[args.model][1], MODELS[args.model][5]
+    model, handle, _ = build(args, device, "odc")
+    n_params = sum(p.numel() for p in model.parameters())
+    short, long_ = max(2, int(256 * args.length_scale)), max(4, int(16384 * args.length_scale))
+    times = {}
+    for n in (short, long_, short, long_):
+        tokens = torch.randint(0, vocab, (n + 1,), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        model(tokens).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[n] = time.perf_counter() - t0
+    torch_odc.minibatch_barrier()
+    handle.detach()
+    del model
+    flops_long = balance.flops_cost(long_, num_params=n_params, num_layers=layers, hidden_size=dim)
+    vals = torch.tensor([times[short], -flops_long / max(times[long_] - times[short], 1e-9)],
+                        dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=nccl_group)
+    return float(-vals[1]), float(vals[0])
+
+
+def build(args, device, kind):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dim, layers, heads, kv_heads, ffn, vocab = MODELS[args.model]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
+    odc = kind == "odc"
+    group = dist.group.WORLD if odc else build.nccl_group
+    mesh = DeviceMesh.from_group(group, device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    handle = torch_odc.attach(model) if odc else None
+    return model, handle, sum(p.numel() for p in model.parameters())
 
 
 def merged_busy(intervals):
@@ -152,34 +210,29 @@ def merged_busy(intervals):
     return total, spans
 
 
-def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    dim, layers, heads, kv_heads, ffn, vocab = MODELS[args.model]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
-    n_params = sum(p.numel() for p in model.parameters())
+def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost):
+    vocab = MODELS[args.model][5]
     odc = cfg.startswith("odc")
-    group = dist.group.WORLD if odc else nccl_group
-    mesh = DeviceMesh.from_group(group, device.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    handle = torch_odc.attach(model) if odc else None
+    model, handle, n_params = build(args, device, "odc" if odc else "nccl")
+    # Python's cyclic GC pauses one rank at random points (a straggler for everyone under
+    # collectives); like torchtitan, collect between minibatches only.
+    gc.collect()
+    gc.disable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     mode = cfg.split("-")[1]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
     for mb, lengths in enumerate(workload_lengths):
-        plan = plans(lengths, world, mode, n_params, layers, dim)
+        plan = plans(lengths, world, mode, cost)
         total_tokens = int(sum(lengths))
-        measured = mb >= args.warmup
+        # warmup, measured (tokens/s), then one profiled minibatch (busy/idle timeline): the
+        # profiler's per-kernel overhead stays out of the throughput numbers.
+        profiled = mb == len(workload_lengths) - 1
+        measured = args.warmup <= mb and not profiled
+        gc.collect()
         prof = None
-        if measured and device.type == "cuda" and mb == len(workload_lengths) - 1:
+        if profiled and device.type == "cuda":
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         dist.barrier(group=nccl_group)
@@ -224,7 +277,7 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
             prof.__exit__(None, None, None)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if not measured:
+        if not (measured or profiled):
             continue
         row = {"minibatch": mb, "wall_s": wall, "work_s": t_work, "barrier_s": comm_s,
                "tokens": total_tokens, "microbatches": len(plan.microbatches[rank]),
@@ -245,7 +298,10 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
                                         for s, e in coarse]
         else:
             row["busy_s"] = t_work
-        rows.append(row)
+        if profiled:
+            prof_row = row
+        else:
+            rows.append(row)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     alloc = {}
     if device.type == "cuda":
@@ -254,10 +310,12 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group):
                                          "num_device_free")}
     if handle is not None:
         handle.detach()
+    gc.enable()
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rows": rows, "peak_mem_gib": peak, "n_params": n_params, "allocator": alloc}
+    return {"rows": rows, "profiled": prof_row, "peak_mem_gib": peak, "n_params": n_params,
+            "allocator": alloc}
 
 
 def summarize(per_rank, args, world, lengths_measured, n_params):
@@ -266,9 +324,9 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
                for i in range(len(per_rank[0]["rows"])))
     tokens = sum(int(sum(x)) for x in lengths_measured)
     flops = sum(model_flops(x, n_params, layers, dim) for x in lengths_measured)
-    # Busy/idle over the last measured minibatch (the profiled one on GPUs).
-    last_wall = max(r["rows"][-1]["wall_s"] for r in per_rank)
-    busy = [r["rows"][-1].get("busy_s", 0.0) for r in per_rank]
+    # Busy/idle over the profiled minibatch (after the measured ones).
+    last_wall = max(r["profiled"]["wall_s"] for r in per_rank)
+    busy = [r["profiled"].get("busy_s", 0.0) for r in per_rank]
     idle = [1 - b / last_wall for b in busy]
     return {
         "tokens_per_s_per_gpu": tokens / wall / world,
@@ -281,6 +339,9 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
         "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
         "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
+        "profiled_minibatch": {"wall_s_per_rank": [r["profiled"]["wall_s"] for r in per_rank],
+                               "microbatches_per_rank": [r["profiled"]["microbatches"]
+                                                         for r in per_rank]},
         "wall_s_per_rank_last": [r["rows"][-1]["wall_s"] for r in per_rank],
         "work_s_per_rank_last": [r["rows"][-1]["work_s"] for r in per_rank],
         "per_micro_last": [r["rows"][-1]["per_micro"] for r in per_rank],
@@ -332,6 +393,9 @@ def main():
     p.add_argument("--seqs-per-rank", type=int, default=4)
     p.add_argument("--minibatches", type=int, default=3, help="measured minibatches")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cost", choices=["calibrated", "flops"], default="calibrated",
+                   help="planner cost: measured time model (GPU rate + per-microbatch floor) or "
+                        "modeled FLOPs")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply sequence lengths (CPU smoke tests use ~1/256)")
     p.add_argument("--out", default="benchmarks/results")
@@ -354,21 +418,36 @@ def main():
         configs.append(c if c not in configs else f"{c}#{sum(x.split('#')[0] == c for x in configs) + 1}")
     dim, layers = MODELS[args.model][0], MODELS[args.model][1]
     results = {"workloads": {}, "configs": configs, "world": world}
-    n_minibatches = args.warmup + args.minibatches
+    n_minibatches = args.warmup + args.minibatches + 1  # + the profiled one
+    build.nccl_group = nccl_group
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in Llama(*MODELS[args.model]).parameters())
+    if args.cost == "flops":
+        cost = time_cost(1.0, 0.0, n_params, layers, dim)
+        calibration = None
+    else:
+        rate, floor = calibrate(args, device, nccl_group)
+        cost = time_cost(rate, floor, n_params, layers, dim)
+        calibration = {"flops_per_s": rate, "floor_s": floor}
+        if rank == 0:
+            print(f"cost model: {rate / 1e12:.0f} TFLOP/s (model flops), floor "
+                  f"{floor * 1e3:.0f} ms per microbatch", flush=True)
+    results["cost_model"] = {"kind": args.cost, "calibration": calibration}
     for w in args.workloads:
         rng = np.random.default_rng(1234)
         lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
                                   * args.length_scale).astype(np.int64))
                    for _ in range(n_minibatches)]
-        measured = lengths[args.warmup:]
+        measured = lengths[args.warmup:-1]
         entry = {"configs": {}}
         for cfg in configs:
-            out = run_config(cfg.split("#")[0], args, device, world, rank, lengths, nccl_group)
+            out = run_config(cfg.split("#")[0], args, device, world, rank, lengths, nccl_group,
+                             cost)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:
                 summary = summarize(per_rank, args, world, measured, out["n_params"])
-                summary["timeline"] = [r["rows"][-1].get("busy_spans_ms") for r in per_rank]
+                summary["timeline"] = [r["profiled"].get("busy_spans_ms") for r in per_rank]
                 entry["configs"][cfg] = summary
                 entry["n_params"] = out["n_params"]
                 print(f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
@@ -382,9 +461,8 @@ def main():
                           f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
                           f"alloc {pr['allocator']}", flush=True)
         if rank == 0:
-            n_params = entry["n_params"]
-            ratios = [plans(x, world, "micro", n_params, layers, dim).makespan
-                      / plans(x, world, "mini", n_params, layers, dim).makespan for x in measured]
+            ratios = [plans(x, world, "micro", cost).makespan
+                      / plans(x, world, "mini", cost).makespan for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             base = entry["configs"][configs[0]]["tokens_per_s_per_gpu"]

@@ -158,22 +158,21 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
     transport_->read(rank_, off.cache, own, in_bytes, stream);
   }
   // Peers in rotated order, so that no owner is read by every rank at once.
+  std::vector<Transport::PeerRead> reads;
+  reads.reserve(static_cast<size_t>(world_ - 1));
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
-    const auto t0 = Clock::now();
-    transport_->waitFlag(peer, off.published_flag, epoch_,
-                         context([this, peer, key] {
-                           return "peer rank " + std::to_string(peer) + " to publish " +
-                                  where(key) + ". The peer has not run this module's all-gather "
-                                  "in this minibatch: is it stuck, or did it skip "
-                                  "torch_odc.minibatch_barrier()?";
-                         }),
-                         stream);
-    current_.publish_wait_s += secondsSince(t0);
-    transport_->read(peer, off.cache, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
-                     in_bytes, stream);
+    reads.push_back({peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
+                     context([this, peer, key] {
+                       return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
+                              ". The peer has not run this module's all-gather in this "
+                              "minibatch: is it stuck, or did it skip "
+                              "torch_odc.minibatch_barrier()?";
+                     })});
     current_.bytes_fetched += in_bytes;
   }
+  current_.publish_wait_s +=
+      transport_->gatherPeers(off.cache, off.published_flag, epoch_, in_bytes, reads, stream);
   transport_->endOp(stream);
 }
 
@@ -192,13 +191,16 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
   ++current_.keyed_reduce_scatters;
   const auto& off = layout_.offsets(key);
   const size_t chunk_bytes = spec.accumBytes();
-  for (int i = 0; i < world_; ++i) {
+  std::vector<Transport::PeerPush> pushes;
+  pushes.reserve(static_cast<size_t>(world_));
+  for (int i = 0; i < world_; ++i) {  // rotated, the own chunk first
     const int owner = (rank_ + i) % world_;
-    const auto* src = static_cast<const uint8_t*>(in) + static_cast<size_t>(owner) * chunk_bytes;
-    transport_->accumulate(owner, off.accum, off.first_lock, off.pushed_flag, epoch_, src,
-                           spec.accum_numel, dtype, scale, stream);
+    pushes.push_back(
+        {owner, static_cast<const uint8_t*>(in) + static_cast<size_t>(owner) * chunk_bytes});
     if (owner != rank_) current_.bytes_pushed += chunk_bytes;
   }
+  transport_->pushPeers(off.accum, off.first_lock, off.pushed_flag, epoch_, spec.accum_numel,
+                        dtype, scale, pushes, stream);
   transport_->endOp(stream);
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "engine/layout.h"
 #include "engine/rendezvous.h"
@@ -51,6 +52,40 @@ class Transport {
   virtual void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
                           uint64_t epoch, const void* src, size_t numel, DType dtype,
                           double scale, Stream stream) = 0;
+  // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
+  // is >= value, then read `bytes` from the peer's region at `offset` into `dst`. Returns the
+  // host seconds spent waiting (0 where the waits run on a device). The default runs the
+  // entries one after the other through waitFlag + read; a transport may run them as one
+  // operation (the CUDA transport: one kernel over every peer).
+  struct PeerRead {
+    int peer;
+    void* dst;
+    WaitContext ctx;
+  };
+  virtual double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
+                             const std::vector<PeerRead>& reads, Stream stream) {
+    double waited = 0;
+    for (const auto& r : reads) {
+      const auto t0 = Clock::now();
+      waitFlag(r.peer, flag_offset, value, r.ctx, stream);
+      waited += std::chrono::duration<double>(Clock::now() - t0).count();
+      read(r.peer, offset, r.dst, bytes, stream);
+    }
+    return waited;
+  }
+  // One keyed reduce-scatter: accumulate() into every listed owner (the own rank included).
+  struct PeerPush {
+    int peer;
+    const void* src;
+  };
+  virtual void pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset, uint64_t epoch,
+                         size_t numel, DType dtype, double scale,
+                         const std::vector<PeerPush>& pushes, Stream stream) {
+    for (const auto& p : pushes) {
+      accumulate(p.peer, offset, locks_offset, pushed_offset, epoch, p.src, numel, dtype, scale,
+                 stream);
+    }
+  }
   // Ends one keyed operation: whatever the transport ran beside `stream` (e.g. one side stream
   // per peer) is joined back into it, so later work on `stream` sees the whole operation.
   virtual void endOp(Stream /*stream*/) {}

@@ -1,5 +1,7 @@
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace torch_odc {
@@ -47,6 +49,9 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   bytes_ = layout.bytes();
   check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), rank_,
         "cudaDeviceGetAttribute");
+  ctas_ = 2 * sm_count_;
+  if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
+  if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
   control_.connect(rdv, prefix + "/ctl", RegionLayout(std::vector<KeySpec>{}), timeout);
   check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(cuda_ipc::DeviceError),
                       cudaHostAllocMapped),
@@ -210,6 +215,53 @@ void CudaIpcTransport::accumulate(int peer, size_t offset, size_t /*locks_offset
   cuda_ipc::launchPush(at(peer, offset), src, numel, dtype, static_cast<float>(scale),
                        reinterpret_cast<uint64_t*>(at(peer, pushed_offset)), epoch, sm_count_,
                        peerStream(peer, asStream(stream)));
+}
+
+double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t value,
+                                     size_t bytes, const std::vector<PeerRead>& reads,
+                                     Stream stream) {
+  if (!fused_ || reads.size() > static_cast<size_t>(cuda_ipc::kMaxPeers)) {
+    return Transport::gatherPeers(offset, flag_offset, value, bytes, reads, stream);
+  }
+  checkDeviceErrors();
+  cuda_ipc::GatherArgs args;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& r : reads) {
+      const int i = args.count++;
+      args.src[i] = at(r.peer, offset);
+      args.dst[i] = static_cast<uint8_t*>(r.dst);
+      args.flag[i] = reinterpret_cast<const uint64_t*>(at(r.peer, flag_offset));
+      args.slot[i] = next_slot_++ % kSlots;
+      wait_descriptions_[args.slot[i]] = r.ctx.describe;
+    }
+  }
+  if (reads.empty()) return 0;
+  const auto remaining = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      reads.front().ctx.deadline - Clock::now());
+  cuda_ipc::launchGather(args, bytes, value,
+                         static_cast<uint64_t>(std::max<int64_t>(remaining.count(), 0)),
+                         error_device_, ctas_, asStream(stream));
+  return 0;
+}
+
+void CudaIpcTransport::pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset,
+                                 uint64_t epoch, size_t numel, DType dtype, double scale,
+                                 const std::vector<PeerPush>& pushes, Stream stream) {
+  if (!fused_ || pushes.size() > static_cast<size_t>(cuda_ipc::kMaxPeers)) {
+    Transport::pushPeers(offset, locks_offset, pushed_offset, epoch, numel, dtype, scale, pushes,
+                         stream);
+    return;
+  }
+  cuda_ipc::PushArgs args;
+  for (const auto& p : pushes) {
+    const int i = args.count++;
+    args.dst[i] = at(p.peer, offset);
+    args.src[i] = p.src;
+    args.flag[i] = reinterpret_cast<uint64_t*>(at(p.peer, pushed_offset));
+  }
+  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), epoch, ctas_,
+                          asStream(stream));
 }
 
 void CudaIpcTransport::quiesce(Stream) {

@@ -10,8 +10,15 @@
 //  - wait: a 1-thread kernel spinning with ld.acquire.sys on the peer's flag (deadline = the
 //    process-group timeout; on expiry it records which wait failed in mapped host memory, and
 //    the host raises at the next keyed call, Work::wait or the barrier).
-//  - read: a peer-to-peer cudaMemcpyAsync (copy engine) from the peer's mapped cache.
-//  - accumulate: a kernel with 16-byte loads and remote reductions into the peer's accumulator.
+//  - gather: one kernel over all peers: per block, one thread acquire-spins on the peer's flag
+//    (deadline = the process-group timeout; on expiry it records which wait failed in mapped
+//    host memory, and the host raises at the next keyed call, Work::wait or the barrier), then
+//    the block copies its share with 16-byte loads over NVLink.
+//  - push: one kernel over all owners: 16-byte loads and remote vector reductions into each
+//    owner's accumulator.
+// One launch per keyed op measured faster than per-peer copy-engine copies or per-peer kernels
+// on side streams (benchmarks/probe_nvlink.cu, docs/benchmarks.md); those remain behind
+// ODC_CUDA_FUSED=0 (waitFlag/read/accumulate below).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,6 +53,11 @@ class CudaIpcTransport : public Transport {
   void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
                   uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
                   Stream stream) override;
+  double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
+                     const std::vector<PeerRead>& reads, Stream stream) override;
+  void pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset, uint64_t epoch,
+                 size_t numel, DType dtype, double scale, const std::vector<PeerPush>& pushes,
+                 Stream stream) override;
   void endOp(Stream stream) override;
   void quiesce(Stream stream) override;
 
@@ -70,6 +82,10 @@ class CudaIpcTransport : public Transport {
   const int world_;
   const int device_;
   int sm_count_ = 0;
+  // Thread blocks per gather / push launch (over all peers): ODC_CUDA_CTAS, default 2 per SM.
+  // ODC_CUDA_FUSED=0 falls back to per-peer copy-engine reads and per-peer push kernels.
+  int ctas_ = 0;
+  bool fused_ = true;
   std::chrono::milliseconds timeout_{0};
   size_t bytes_ = 0;
   std::vector<uint8_t*> bases_;  // device pointers; bases_[rank_] is the own cudaMalloc

@@ -1,8 +1,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "transport/cuda_ipc/kernels.h"
 
@@ -152,6 +154,161 @@ __global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t
   }
 }
 
+// ---- one launch per keyed operation, all peers (blockIdx.y = entry) ----
+
+// One thread per entry acquire-spins on the entry's flag (a one-block kernel: a wait for a slow
+// peer, e.g. for a prefetched layer it has not reached, holds no SM resources that compute on
+// this GPU needs). The copy kernel after it on the stream reads only after every wait.
+__global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t timeout_ns,
+                                 DeviceError* error) {
+  const int y = threadIdx.x;
+  if (y >= a.count) return;
+  const uint64_t start = globalTimerNs();
+  uint32_t backoff = 32;
+  while (loadAcquireSys(a.flag[y]) < value) {
+    if (globalTimerNs() - start > timeout_ns) {
+      error->slot = a.slot[y];
+      __threadfence_system();
+      atomicExch(&error->flag, 1u);
+      return;
+    }
+    __nanosleep(backoff);
+    if (backoff < 1024) backoff *= 2;
+  }
+}
+
+__global__ void __launch_bounds__(512)
+    odcGatherKernel(GatherArgs a, size_t bytes) {
+  const int y = blockIdx.y;
+  const uint8_t* src = a.src[y];
+  uint8_t* dst = a.dst[y];
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  size_t done = 0;
+  if (aligned16(src, dst)) {
+    // Plain (coherent) loads: the peer rewrites its cache every minibatch.
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    const size_t vecs = bytes / 16;
+    constexpr int kUnroll = 8;
+    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * stride < vecs) v[u] = s4[base + u * stride];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * stride < vecs) d4[base + u * stride] = v[u];
+      }
+    }
+    done = vecs * 16;
+  }
+  for (size_t i = done + tid; i < bytes; i += stride) dst[i] = src[i];
+}
+
+__device__ __forceinline__ void red4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+  atomicAdd(dst, v.x);
+  atomicAdd(dst + 1, v.y);
+  atomicAdd(dst + 2, v.z);
+  atomicAdd(dst + 3, v.w);
+#endif
+}
+
+// Eight 16-bit values (one uint4) scaled in fp32 and added with one 16-byte vector reduction.
+template <typename T2>
+__device__ __forceinline__ void red8(T2* dst, uint4 raw, float scale) {
+  T2* pairs = reinterpret_cast<T2*>(&raw);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    if constexpr (std::is_same_v<T2, __nv_bfloat162>) {
+      const float2 f = __bfloat1622float2(pairs[p]);
+      pairs[p] = __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale));
+    } else {
+      const float2 f = __half22float2(pairs[p]);
+      pairs[p] = __float22half2_rn(make_float2(f.x * scale, f.y * scale));
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same_v<T2, __nv_bfloat162>) {
+    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst),
+                 "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w)
+                 : "memory");
+  } else {
+    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst),
+                 "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w)
+                 : "memory");
+  }
+#else
+#pragma unroll
+  for (int p = 0; p < 4; ++p) atomicAdd(dst + p, pairs[p]);
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void addScalar(T* dst, T v, float scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    atomicAdd(dst, v * scale);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    atomicAdd(dst, __float2bfloat16(__bfloat162float(v) * scale));
+  } else {
+    atomicAdd(dst, __float2half(__half2float(v) * scale));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(512)
+    odcPushKernel(PushArgs a, size_t numel, float scale, uint64_t epoch) {
+  const int y = blockIdx.y;
+  T* dst = static_cast<T*>(a.dst[y]);
+  const T* src = static_cast<const T*>(a.src[y]);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr size_t kPerVec = 16 / sizeof(T);
+  size_t done = 0;
+  if (aligned16(dst, src)) {
+    const size_t vecs = numel / kPerVec;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    constexpr int kUnroll = 4;  // independent loads in flight before the reductions
+    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * stride < vecs) v[u] = __ldg(s4 + base + u * stride);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t i = base + u * stride;
+        if (i >= vecs) break;
+        if constexpr (std::is_same_v<T, float>) {
+          float4 x = *reinterpret_cast<float4*>(&v[u]);
+          x.x *= scale;
+          x.y *= scale;
+          x.z *= scale;
+          x.w *= scale;
+          red4(dst + i * kPerVec, x);
+        } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          red8(reinterpret_cast<__nv_bfloat162*>(dst + i * kPerVec), v[u], scale);
+        } else {
+          red8(reinterpret_cast<__half2*>(dst + i * kPerVec), v[u], scale);
+        }
+      }
+    }
+    done = vecs * kPerVec;
+  }
+  for (size_t i = done + tid; i < numel; i += stride) addScalar(dst + i, src[i], scale);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.flag[y] = epoch;  // read after the barrier only
+}
+
+int blocksPerEntry(int ctas, int entries, size_t work_vecs, int threads) {
+  const size_t needed = (work_vecs + threads - 1) / threads;
+  const int per = std::max(1, ctas / std::max(1, entries));
+  return static_cast<int>(std::max<size_t>(1, std::min<size_t>(per, needed)));
+}
+
 }  // namespace
 
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
@@ -188,6 +345,40 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
       pushHalf2<__half2, __half><<<blocks, kThreads, 0, stream>>>(
           static_cast<__half*>(dst), static_cast<const __half*>(src), numel, scale, pushed_flag,
           epoch);
+      break;
+    default:
+      throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +
+                     " is not supported (fp32, bf16, fp16)");
+  }
+  check(cudaGetLastError(), "push kernel launch");
+}
+
+void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
+                  DeviceError* error, int ctas, cudaStream_t stream) {
+  if (args.count == 0) return;
+  constexpr int kThreads = 512;
+  const dim3 grid(blocksPerEntry(ctas, args.count, bytes / 16, kThreads), args.count);
+  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, timeout_ns, error);
+  check(cudaGetLastError(), "wait kernel launch");
+  odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes);
+  check(cudaGetLastError(), "gather kernel launch");
+}
+
+void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, uint64_t epoch,
+                   int ctas, cudaStream_t stream) {
+  if (args.count == 0) return;
+  constexpr int kThreads = 512;
+  const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
+  const dim3 grid(blocksPerEntry(ctas, args.count, numel * elem / 16, kThreads), args.count);
+  switch (dtype) {
+    case DType::kFloat32:
+      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
+      break;
+    case DType::kBFloat16:
+      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
+      break;
+    case DType::kFloat16:
+      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
       break;
     default:
       throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +

@@ -25,4 +25,30 @@ void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
                 uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream);
 
+// One keyed operation over several peers in one launch (blockIdx.y = entry). Up to kMaxPeers
+// entries (GPUs of one host).
+constexpr int kMaxPeers = 16;  // <= 32: one waiting thread per entry
+struct GatherArgs {
+  const uint8_t* src[kMaxPeers];   // the peer's shard cache (mapped)
+  uint8_t* dst[kMaxPeers];         // the peer's chunk of the output
+  const uint64_t* flag[kMaxPeers]; // the peer's published flag (mapped)
+  uint32_t slot[kMaxPeers];        // description slot reported if this wait times out
+  int count = 0;
+};
+struct PushArgs {
+  void* dst[kMaxPeers];            // the owner's accumulator (mapped, or own)
+  const void* src[kMaxPeers];      // the local chunk for that owner
+  uint64_t* flag[kMaxPeers];       // the owner's pushed flag
+  int count = 0;
+};
+// A one-block kernel acquire-spins on every flag[y] >= value (deadline timeout_ns; on expiry
+// records slot[y] in `error`, and the data copied after it is never used), then one kernel
+// copies every entry's `bytes` with 16-byte loads from the peers (8 in flight per thread).
+void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
+                  DeviceError* error, int ctas, cudaStream_t stream);
+// dst[y][i] += scale * src[y][i] with remote vector reductions (fp32: red.v4.f32; bf16/fp16:
+// red.v4.bf16x2 / f16x2 on sm_90), then *flag[y] = epoch.
+void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, uint64_t epoch,
+                   int ctas, cudaStream_t stream);
+
 }  // namespace torch_odc::cuda_ipc

@@ -384,6 +384,52 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
+def write_results(results, out, tag):
+    """JSON + PNG under `out`, and the table on stdout; speedups relative to the first config."""
+    for entry in results["workloads"].values():
+        base = next(iter(entry["configs"].values()))["tokens_per_s_per_gpu"]
+        first = next(iter(entry["configs"]))
+        for s in entry["configs"].values():
+            s["speedup_vs_" + first] = s["tokens_per_s_per_gpu"] / base
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, tag + ".json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(out, tag + ".png"))
+    print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
+          f"{'idle':>7}{'peak GiB':>9}  planner micro/mini")
+    for w, entry in results["workloads"].items():
+        first = next(iter(entry["configs"]))
+        for cfg, s in entry["configs"].items():
+            mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
+            peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
+            print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
+                  f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
+                  f"{s['idle_fraction_mean']:>7.1%}{peak:>9.1f}  "
+                  f"{entry['predicted_speedup_mini_over_micro']:.3f}")
+
+
+def merge(paths, out, tag):
+    """Joins the results of runs that each measured some (workload, config) pairs, e.g. one
+    process per configuration so no configuration runs after another in the same process."""
+    merged = None
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        if merged is None:
+            merged = {k: v for k, v in part.items() if k != "workloads"}
+            merged["workloads"], merged["configs"], merged["commands"] = {}, [], []
+        merged["commands"].append(part["environment"]["command"])
+        for cfg in part["configs"]:
+            if cfg not in merged["configs"]:
+                merged["configs"].append(cfg)
+        for w, entry in part["workloads"].items():
+            into = merged["workloads"].setdefault(w, {k: v for k, v in entry.items()
+                                                      if k != "configs"} | {"configs": {}})
+            into["configs"].update(entry["configs"])
+    merged["environment"]["command"] = "; ".join(merged.pop("commands"))
+    write_results(merged, out, tag)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -400,7 +446,15 @@ def main():
                    help="multiply sequence lengths (CPU smoke tests use ~1/256)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name tag (default: model_world)")
+    p.add_argument("--calibration", default=None, metavar="FLOPS_PER_S,FLOOR_S",
+                   help="use this cost model instead of measuring it (runs that are merged "
+                        "must plan with the same one)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no training: merge result files of earlier runs into --tag")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge, args.out, args.tag or "e2e_merged")
+        return
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
@@ -426,7 +480,10 @@ def main():
         cost = time_cost(1.0, 0.0, n_params, layers, dim)
         calibration = None
     else:
-        rate, floor = calibrate(args, device, nccl_group)
+        if args.calibration:
+            rate, floor = (float(x) for x in args.calibration.split(","))
+        else:
+            rate, floor = calibrate(args, device, nccl_group)
         cost = time_cost(rate, floor, n_params, layers, dim)
         calibration = {"flops_per_s": rate, "floor_s": floor}
         if rank == 0:
@@ -465,9 +522,6 @@ def main():
                       / plans(x, world, "mini", cost).makespan for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
-            base = entry["configs"][configs[0]]["tokens_per_s_per_gpu"]
-            for cfg, s in entry["configs"].items():
-                s["speedup_vs_" + configs[0]] = s["tokens_per_s_per_gpu"] / base
             results["workloads"][w] = entry
     if rank == 0:
         results["environment"] = {
@@ -480,20 +534,7 @@ def main():
             "model": args.model, "seqs_per_rank": args.seqs_per_rank,
         }
         tag = args.tag or f"e2e_{args.model}_{world}{'gpu' if args.device == 'cuda' else 'cpu'}"
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, tag + ".json"), "w") as f:
-            json.dump(results, f, indent=1)
-        plot(results, os.path.join(args.out, tag + ".png"))
-        print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
-              f"{'idle':>7}{'peak GiB':>9}  planner micro/mini")
-        for w, entry in results["workloads"].items():
-            for cfg, s in entry["configs"].items():
-                mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
-                peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
-                print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
-                      f"{s['speedup_vs_' + configs[0]]:>8.2f}{mfu:>7}"
-                      f"{s['idle_fraction_mean']:>7.1%}{peak:>9.1f}  "
-                      f"{entry['predicted_speedup_mini_over_micro']:.3f}")
+        write_results(results, args.out, tag)
     dist.destroy_process_group()
 
 

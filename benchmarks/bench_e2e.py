@@ -308,14 +308,16 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         st = torch.cuda.memory_stats(device)
         alloc = {k: st.get(k) for k in ("num_alloc_retries", "num_device_alloc",
                                          "num_device_free")}
+    region = None
     if handle is not None:
+        region = handle.stats()["region_bytes"] / 2**30
         handle.detach()
     gc.enable()
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"rows": rows, "profiled": prof_row, "peak_mem_gib": peak, "n_params": n_params,
-            "allocator": alloc}
+            "allocator": alloc, "odc_region_gib": region}
 
 
 def summarize(per_rank, args, world, lengths_measured, n_params):
@@ -337,6 +339,8 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "idle_fraction_per_rank": idle,
         "idle_fraction_mean": float(np.mean(idle)),
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
+        # The ODC region (caches, accumulators) is allocated outside torch's allocator.
+        "odc_region_gib_per_rank": [r["odc_region_gib"] for r in per_rank],
         "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
         "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
         "profiled_minibatch": {"wall_s_per_rank": [r["profiled"]["wall_s"] for r in per_rank],

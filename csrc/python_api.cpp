@@ -137,6 +137,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::dict d;
         d["rank"] = e.rank();
         d["minibatch"] = e.epoch();
+        // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
+        // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
+        d["region_bytes"] = e.layout().bytes();
         d["current"] = statsDict(e.currentStats());
         d["last"] = statsDict(e.lastStats());
         d["total"] = statsDict(e.totalStats());

@@ -59,6 +59,10 @@ def test_odc_training_matches_single_process_reference(
         assert total["minibatches"] == len(plan)
         assert total["keyed_reduce_scatters"] > 0 or all(p[rank] == 0 for p in plan)
         assert total["bytes_fetched"] > 0
+        # The region holds at least this rank's shard of every parameter twice (the published
+        # cache in the gather dtype and the accumulator in the reduce dtype, >= 2 bytes each).
+        n_shard = sum(v.numel() for v in want.values()) / world
+        assert stats["region_bytes"] >= 4 * n_shard * 0.9, stats["region_bytes"]
 
 
 def test_fast_rank_does_not_wait_for_a_slow_rank_before_the_barrier():

@@ -390,20 +390,24 @@ class CompletedWork : public c10d::Work {
 
 #ifdef ODC_WITH_CUDA
 // A keyed op enqueued on a CUDA stream: complete when its event is; wait() makes the caller's
-// current stream wait for it (no host block), like ProcessGroupNCCL. Holds the tensors until
-// then.
+// current stream wait for it (no host block), like ProcessGroupNCCL, and raises a device-side
+// wait timeout of the engine it ran on. Holds the tensors and the backend until destroyed, so a
+// wait() after detach or shutdown is safe (it then only orders the streams).
 class CudaEventWork : public c10d::Work {
  public:
   CudaEventWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors,
-                cudaStream_t stream, CudaIpcTransport* transport)
-      : c10d::Work(rank, type), tensors_(std::move(tensors)), transport_(transport) {
+                cudaStream_t stream, c10::intrusive_ptr<OdcBackend> backend, int generation)
+      : c10d::Work(rank, type),
+        tensors_(std::move(tensors)),
+        backend_(std::move(backend)),
+        generation_(generation) {
     event_.record(c10::cuda::getStreamFromExternal(stream, tensors_.front().device().index()));
   }
   bool isCompleted() override { return event_.query(); }
   bool isSuccess() const override { return true; }
   bool wait(std::chrono::milliseconds) override {
     event_.block(c10::cuda::getCurrentCUDAStream(tensors_.front().device().index()));
-    if (transport_) transport_->checkDeviceErrors();
+    backend_->checkDeviceErrors(generation_);
     return true;
   }
   void synchronize() override { event_.synchronize(); }
@@ -412,7 +416,8 @@ class CudaEventWork : public c10d::Work {
  private:
   std::vector<at::Tensor> tensors_;
   at::cuda::CUDAEvent event_;
-  CudaIpcTransport* transport_;
+  c10::intrusive_ptr<OdcBackend> backend_;
+  int generation_;
 };
 #endif
 
@@ -565,15 +570,24 @@ WorkPtr OdcBackend::keyedWork(c10d::OpType type, const at::Tensor& output,
                               const at::Tensor& input) {
 #ifdef ODC_WITH_CUDA
   if (output.is_cuda()) {
-    auto& eng = engine("keyed work");
+    engine("keyed work");  // raises if none is connected
     return c10::make_intrusive<CudaEventWork>(
         rank_, type, std::vector<at::Tensor>{output, input},
         at::cuda::getCurrentCUDAStream(output.device().index()).stream(),
-        dynamic_cast<CudaIpcTransport*>(&eng.transport()));
+        c10::intrusive_ptr<OdcBackend>::reclaim_copy(this), engine_generation_ - 1);
   }
 #endif
   (void)input;
   return c10::make_intrusive<CompletedWork>(rank_, type, std::vector<at::Tensor>{output});
+}
+
+void OdcBackend::checkDeviceErrors(int generation) {
+#ifdef ODC_WITH_CUDA
+  if (!engine_ || generation != engine_generation_ - 1) return;  // detached since
+  if (auto* t = dynamic_cast<CudaIpcTransport*>(&engine_->transport())) t->checkDeviceErrors();
+#else
+  (void)generation;
+#endif
 }
 
 void OdcBackend::shutdown() {

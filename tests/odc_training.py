@@ -111,3 +111,28 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         handle.detach()
     dist.barrier()
     return full, stats, timeline
+
+
+def profiled_minibatch(rank, world, counts):
+    """One ODC minibatch under the PyTorch profiler (CPU activities); returns the names of the
+    ``odc::`` ranges it recorded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch_odc
+
+    model = make_model(False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = torch_odc.attach(model)
+    seqs = split(counts, samples(0, sum(counts)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for seq in seqs[rank]:
+            loss_of(model, seq).backward()
+        torch_odc.minibatch_barrier()
+    handle.detach()
+    dist.barrier()
+    return sorted({e.name for e in prof.events() if e.name.startswith("odc::")})

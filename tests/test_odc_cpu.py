@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
-from odc_training import make_model, reference, train_odc
+from odc_training import make_model, profiled_minibatch, reference, train_odc
 
 LR = 0.1
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -205,3 +205,16 @@ def test_attach_without_fsdp_modules_is_a_value_error():
 
     with pytest.raises(ValueError, match="fully_shard"):
         torch_odc.attach(torch.nn.Linear(2, 2))
+
+
+def test_odc_operations_are_profiler_ranges():
+    # Rank 1 runs no microbatch: its keys are published by the barrier (odc::publish).
+    names = run_ranks(2, profiled_minibatch, [2, 0])
+    keys = {"layers.0", "layers.1"}
+    for k in keys:
+        assert f"odc::gather {k}" in names[0] and f"odc::push {k}" in names[0], names[0]
+        assert f"odc::publish {k}" in names[1], names[1]
+    for rank_names in names:
+        assert {"odc::minibatch_barrier", "odc::barrier_arrive",
+                "odc::barrier_release"} <= set(rank_names), rank_names
+

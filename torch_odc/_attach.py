@@ -263,8 +263,9 @@ def minibatch_barrier() -> None:
     all their microbatches since the previous barrier, as FSDP2 with gradient accumulation
     computes it. Call it on every rank, before ``optimizer.step()``.
     """
-    for handle in _handles:
-        handle.barrier()
+    with torch.profiler.record_function("odc::minibatch_barrier"):
+        for handle in _handles:
+            handle.barrier()
 
 
 def stats() -> list[dict]:

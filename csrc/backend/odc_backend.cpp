@@ -1,6 +1,8 @@
 #include "backend/odc_backend.h"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "transport/shm/shm_transport.h"
@@ -9,6 +11,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 #endif
@@ -47,9 +50,8 @@ OdcBackend::BackendPtr OdcBackend::inner(c10::DeviceType device) {
   if (device == c10::DeviceType::CPU) {
     return cpu_;
   }
-  TORCH_CHECK(device == c10::DeviceType::CUDA, "odc: rank ", rank_,
-              ": tensors on device type ", c10::DeviceTypeName(device),
-              " are not supported (only cpu and cuda)");
+  TORCH_CHECK(device == c10::DeviceType::CUDA, "odc: rank ", rank_, ": tensors on device type ",
+              c10::DeviceTypeName(device), " are not supported (only cpu and cuda)");
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": CUDA collective after shutdown");
   if (!cuda_) {
@@ -166,8 +168,7 @@ OdcBackend::BackendPtr OdcBackend::cudaBackendIfCreated() {
   return cuda_;
 }
 
-c10::DeviceType OdcBackend::deviceOf(const std::vector<at::Tensor>& tensors,
-                                     const char* op) const {
+c10::DeviceType OdcBackend::deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const {
   TORCH_CHECK(!tensors.empty(), "odc: rank ", rank_, ": ", op, " got no tensors");
   const auto device = tensors.front().device().type();
   for (const auto& t : tensors) {
@@ -190,32 +191,37 @@ c10::DeviceType OdcBackend::deviceOf(const std::vector<std::vector<at::Tensor>>&
 
 WorkPtr OdcBackend::broadcast(std::vector<at::Tensor>& tensors,
                               const c10d::BroadcastOptions& opts) {
-  return forward(deviceOf(tensors, "broadcast"), [&](c10d::Backend& b) { return b.broadcast(tensors, opts); });
+  return forward(deviceOf(tensors, "broadcast"),
+                 [&](c10d::Backend& b) { return b.broadcast(tensors, opts); });
 }
 
 WorkPtr OdcBackend::allreduce(std::vector<at::Tensor>& tensors,
                               const c10d::AllreduceOptions& opts) {
-  return forward(deviceOf(tensors, "allreduce"), [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
+  return forward(deviceOf(tensors, "allreduce"),
+                 [&](c10d::Backend& b) { return b.allreduce(tensors, opts); });
 }
 
 WorkPtr OdcBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
-  return forward(deviceOf(tensors, "allreduce_sparse"), [&](c10d::Backend& b) { return b.allreduce_sparse(tensors, opts); });
+  return forward(deviceOf(tensors, "allreduce_sparse"),
+                 [&](c10d::Backend& b) { return b.allreduce_sparse(tensors, opts); });
 }
 
 WorkPtr OdcBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                         const c10d::AllreduceCoalescedOptions& opts) {
-  return forward(deviceOf(tensors, "allreduce_coalesced"), [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
+  return forward(deviceOf(tensors, "allreduce_coalesced"),
+                 [&](c10d::Backend& b) { return b.allreduce_coalesced(tensors, opts); });
 }
 
 WorkPtr OdcBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  return forward(deviceOf(tensors, "reduce"), [&](c10d::Backend& b) { return b.reduce(tensors, opts); });
+  return forward(deviceOf(tensors, "reduce"),
+                 [&](c10d::Backend& b) { return b.reduce(tensors, opts); });
 }
 
 WorkPtr OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                              std::vector<at::Tensor>& inputs,
-                              const c10d::AllgatherOptions& opts) {
-  return forward(deviceOf(inputs, "allgather"), [&](c10d::Backend& b) { return b.allgather(outputs, inputs, opts); });
+                              std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  return forward(deviceOf(inputs, "allgather"),
+                 [&](c10d::Backend& b) { return b.allgather(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -223,36 +229,43 @@ WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
   if (const int key = currentKeyedCall().key; key >= 0) {
     return keyedAllgather(key, output, input);
   }
-  return forward(input.device().type(), [&](c10d::Backend& b) { return b._allgather_base(output, input, opts); });
+  return forward(input.device().type(),
+                 [&](c10d::Backend& b) { return b._allgather_base(output, input, opts); });
 }
 
 WorkPtr OdcBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::AllgatherOptions& opts) {
-  return forward(deviceOf(inputs, "allgather_coalesced"), [&](c10d::Backend& b) { return b.allgather_coalesced(outputs, inputs, opts); });
+  return forward(deviceOf(inputs, "allgather_coalesced"),
+                 [&](c10d::Backend& b) { return b.allgather_coalesced(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
-  return forward(deviceOf(inputs, "allgather_into_tensor_coalesced"), [&](c10d::Backend& b) { return b.allgather_into_tensor_coalesced(outputs, inputs, opts); });
+  return forward(deviceOf(inputs, "allgather_into_tensor_coalesced"), [&](c10d::Backend& b) {
+    return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 WorkPtr OdcBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                            std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  return forward(deviceOf(inputs, "gather"), [&](c10d::Backend& b) { return b.gather(outputs, inputs, opts); });
+  return forward(deviceOf(inputs, "gather"),
+                 [&](c10d::Backend& b) { return b.gather(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::scatter(std::vector<at::Tensor>& outputs,
                             std::vector<std::vector<at::Tensor>>& inputs,
                             const c10d::ScatterOptions& opts) {
-  return forward(deviceOf(outputs, "scatter"), [&](c10d::Backend& b) { return b.scatter(outputs, inputs, opts); });
+  return forward(deviceOf(outputs, "scatter"),
+                 [&](c10d::Backend& b) { return b.scatter(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                    std::vector<std::vector<at::Tensor>>& inputs,
                                    const c10d::ReduceScatterOptions& opts) {
-  return forward(deviceOf(outputs, "reduce_scatter"), [&](c10d::Backend& b) { return b.reduce_scatter(outputs, inputs, opts); });
+  return forward(deviceOf(outputs, "reduce_scatter"),
+                 [&](c10d::Backend& b) { return b.reduce_scatter(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -260,45 +273,55 @@ WorkPtr OdcBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
   if (const int key = currentKeyedCall().key; key >= 0) {
     return keyedReduceScatter(key, output, input, opts);
   }
-  return forward(input.device().type(), [&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); });
+  return forward(input.device().type(),
+                 [&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); });
 }
 
 WorkPtr OdcBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::ReduceScatterOptions& opts) {
-  return forward(deviceOf(inputs, "reduce_scatter_tensor_coalesced"), [&](c10d::Backend& b) { return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts); });
+  return forward(deviceOf(inputs, "reduce_scatter_tensor_coalesced"), [&](c10d::Backend& b) {
+    return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 WorkPtr OdcBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                   std::vector<int64_t>& output_split_sizes,
                                   std::vector<int64_t>& input_split_sizes,
                                   const c10d::AllToAllOptions& opts) {
-  return forward(input.device().type(), [&](c10d::Backend& b) { return b.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts); });
+  return forward(input.device().type(), [&](c10d::Backend& b) {
+    return b.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  });
 }
 
 WorkPtr OdcBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                              const c10d::AllToAllOptions& opts) {
-  return forward(deviceOf(inputs, "alltoall"), [&](c10d::Backend& b) { return b.alltoall(outputs, inputs, opts); });
+  return forward(deviceOf(inputs, "alltoall"),
+                 [&](c10d::Backend& b) { return b.alltoall(outputs, inputs, opts); });
 }
 
 WorkPtr OdcBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
-  return forward(deviceOf(tensors, "send"), [&](c10d::Backend& b) { return b.send(tensors, dst_rank, tag); });
+  return forward(deviceOf(tensors, "send"),
+                 [&](c10d::Backend& b) { return b.send(tensors, dst_rank, tag); });
 }
 
 WorkPtr OdcBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
-  return forward(deviceOf(tensors, "recv"), [&](c10d::Backend& b) { return b.recv(tensors, src_rank, tag); });
+  return forward(deviceOf(tensors, "recv"),
+                 [&](c10d::Backend& b) { return b.recv(tensors, src_rank, tag); });
 }
 
 WorkPtr OdcBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return forward(deviceOf(tensors, "recvAnysource"), [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
+  return forward(deviceOf(tensors, "recvAnysource"),
+                 [&](c10d::Backend& b) { return b.recvAnysource(tensors, tag); });
 }
 
 WorkPtr OdcBackend::barrier(const c10d::BarrierOptions& opts) {
   // A barrier on an explicit CUDA device (dist.barrier(device_ids=...)) goes through NCCL so it
   // also orders the device streams, as with backend="nccl"; every other barrier uses Gloo.
-  const bool on_cuda = (opts.device.has_value() && opts.device->is_cuda()) ||
-                       !opts.device_ids.empty();
-  return forward(on_cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, [&](c10d::Backend& b) { return b.barrier(opts); });
+  const bool on_cuda =
+      (opts.device.has_value() && opts.device->is_cuda()) || !opts.device_ids.empty();
+  return forward(on_cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU,
+                 [&](c10d::Backend& b) { return b.barrier(opts); });
 }
 
 void OdcBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -395,8 +418,8 @@ class CompletedWork : public c10d::Work {
 // wait() after detach or shutdown is safe (it then only orders the streams).
 class CudaEventWork : public c10d::Work {
  public:
-  CudaEventWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors,
-                cudaStream_t stream, c10::intrusive_ptr<OdcBackend> backend, int generation)
+  CudaEventWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors, cudaStream_t stream,
+                c10::intrusive_ptr<OdcBackend> backend, int generation)
       : c10d::Work(rank, type),
         tensors_(std::move(tensors)),
         backend_(std::move(backend)),
@@ -420,6 +443,29 @@ class CudaEventWork : public c10d::Work {
   int generation_;
 };
 #endif
+
+// One ODC operation as a range in the PyTorch profiler (record_function, user scope) and, in
+// CUDA builds, in NVTX (Nsight Systems).
+class OpRange {
+ public:
+  explicit OpRange(std::string name) : name_(std::move(name)), rf_(at::RecordScope::USER_SCOPE) {
+    rf_.before(std::string_view(name_), c10::ArrayRef<const c10::IValue>{});
+#ifdef ODC_WITH_CUDA
+    nvtxRangePushA(name_.c_str());
+#endif
+  }
+  ~OpRange() {
+#ifdef ODC_WITH_CUDA
+    nvtxRangePop();
+#endif
+  }
+  OpRange(const OpRange&) = delete;
+  OpRange& operator=(const OpRange&) = delete;
+
+ private:
+  std::string name_;  // outlives rf_, which may keep a view of it
+  at::RecordFunction rf_;
+};
 
 // Translates c10d errors of the engine into c10::Error with the same text.
 template <typename F>
@@ -447,15 +493,15 @@ void OdcBackend::connectEngine(const std::vector<KeySpec>& keys, int device_inde
 #ifdef ODC_WITH_CUDA
     transport = std::make_unique<CudaIpcTransport>(rank_, size_, device_index);
 #else
-    TORCH_CHECK(false, "odc: rank ", rank_, ": this build of torch_odc has no CUDA transport "
+    TORCH_CHECK(false, "odc: rank ", rank_,
+                ": this build of torch_odc has no CUDA transport "
                 "(built without a CUDA toolkit matching torch); rebuild on a CUDA machine");
 #endif
   }
   auto engine = std::make_unique<Engine>(rank_, size_, timeout_, std::move(transport));
   StoreRendezvous rdv(store_);
-  engineCall([&] {
-    engine->connect(rdv, "odc/engine/" + std::to_string(engine_generation_++), keys);
-  });
+  engineCall(
+      [&] { engine->connect(rdv, "odc/engine/" + std::to_string(engine_generation_++), keys); });
   engine_ = std::move(engine);
 }
 
@@ -477,11 +523,13 @@ Engine& OdcBackend::engine(const char* op) {
 }
 
 void OdcBackend::barrierArrive() {
+  OpRange range("odc::barrier_arrive");
   auto& eng = engine("minibatch barrier");
   engineCall([&] { eng.arrive(nullptr); });
 }
 
 void OdcBackend::barrierRelease() {
+  OpRange range("odc::barrier_release");
   auto& eng = engine("minibatch barrier");
   engineCall([&] { eng.release(nullptr); });
 }
@@ -494,6 +542,9 @@ WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& inpu
               "odc: rank ", rank_, ": keyed all-gather needs contiguous tensors of one dtype");
   const auto dtype = toOdcDtype(input.scalar_type());
   const size_t in_bytes = input.numel() * input.element_size();
+  const bool publish_only = currentKeyedCall().publish_only;
+  OpRange range(std::string(publish_only ? "odc::publish " : "odc::gather ") +
+                eng.layout().key(static_cast<size_t>(key)).name);
   engineCall([&] {
     if (currentKeyedCall().publish_only) {
       eng.publish(static_cast<size_t>(key), input.data_ptr(), in_bytes, dtype, stream);
@@ -534,6 +585,7 @@ WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& 
                   "' supports SUM, AVG and PREMUL_SUM, not reduce op ",
                   static_cast<int>(opts.reduceOp.op_));
   }
+  OpRange range("odc::push " + name);
   engineCall([&] {
     eng.push(static_cast<size_t>(key), input.data_ptr(), static_cast<size_t>(input.numel()),
              toOdcDtype(input.scalar_type()), scale, stream);

@@ -6,13 +6,12 @@
 // on the first CUDA collective, through a factory, so CPU-only programs never touch CUDA.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "engine/engine.h"
@@ -55,9 +54,9 @@ class OdcBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
@@ -86,8 +85,7 @@ class OdcBackend : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
@@ -125,8 +123,7 @@ class OdcBackend : public c10d::Backend {
 
  private:
   c10::intrusive_ptr<c10d::Work> keyedAllgather(int key, at::Tensor& output, at::Tensor& input);
-  c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output,
-                                                    at::Tensor& input,
+  c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
                                                     const c10d::ReduceScatterOptions& opts);
   // The stream keyed ops of these tensors run on (the caller's current CUDA stream, or none on
   // the CPU), after checking that they live where the engine's transport does.
@@ -135,8 +132,7 @@ class OdcBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> keyedWork(c10d::OpType type, const at::Tensor& output,
                                            const at::Tensor& input);
   c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const;
-  c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists,
-                           const char* op) const;
+  c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists, const char* op) const;
   void checkAlive(const char* op) const;
   // The inner backend for an op on `device`, entering the coalescing mode on the first op.
   BackendPtr route(c10::DeviceType device);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-
 #include "engine/wait.h"
 
 namespace torch_odc {
@@ -50,8 +49,7 @@ Engine::Engine(int rank, int world, std::chrono::milliseconds timeout,
                std::unique_ptr<Transport> transport)
     : rank_(rank), world_(world), timeout_(timeout), transport_(std::move(transport)) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_) {
-    throw OdcError("odc: invalid rank " + std::to_string(rank_) + " of " +
-                   std::to_string(world_));
+    throw OdcError("odc: invalid rank " + std::to_string(rank_) + " of " + std::to_string(world_));
   }
 }
 
@@ -65,7 +63,8 @@ void Engine::close() {
 
 void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<KeySpec> keys) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (connected_) throw OdcError("odc: rank " + std::to_string(rank_) + ": engine already connected");
+  if (connected_)
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": engine already connected");
   RegionLayout layout(std::move(keys));
   const std::string digest = layout.digest();
   rdv.set(prefix + "/digest/" + std::to_string(rank_), digest);
@@ -75,7 +74,8 @@ void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<Key
     if (other != digest) {
       throw OdcError("odc: rank " + std::to_string(rank_) + " and rank " + std::to_string(r) +
                      " attached different models (first difference, name:shard numel:dtype:"
-                     "accum numel:dtype: " + firstDifference(digest, other) +
+                     "accum numel:dtype: " +
+                     firstDifference(digest, other) +
                      "). Every rank must attach the same FSDP2 model.");
     }
   }
@@ -122,8 +122,7 @@ void Engine::publishLocked(size_t key, const void* in, size_t in_bytes, DType dt
     throw OdcError("odc: rank " + std::to_string(rank_) + ": all-gather of " + where(key) +
                    " got an input of " + std::to_string(in_bytes) + " bytes of " +
                    dtypeName(dtype) + ", but the key was attached with " +
-                   std::to_string(spec.shardBytes()) + " bytes of " +
-                   dtypeName(spec.gather_dtype));
+                   std::to_string(spec.shardBytes()) + " bytes of " + dtypeName(spec.gather_dtype));
   }
   if (published_[key] == epoch_) return;
   const auto& off = layout_.offsets(key);
@@ -162,13 +161,13 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
   reads.reserve(static_cast<size_t>(world_ - 1));
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
-    reads.push_back({peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
-                     context([this, peer, key] {
-                       return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
-                              ". The peer has not run this module's all-gather in this "
-                              "minibatch: is it stuck, or did it skip "
-                              "torch_odc.minibatch_barrier()?";
-                     })});
+    reads.push_back(
+        {peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes, context([this, peer, key] {
+           return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
+                  ". The peer has not run this module's all-gather in this "
+                  "minibatch: is it stuck, or did it skip "
+                  "torch_odc.minibatch_barrier()?";
+         })});
     current_.bytes_fetched += in_bytes;
   }
   current_.publish_wait_s +=
@@ -184,8 +183,8 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
   if (dtype != spec.reduce_dtype || in_numel != spec.accum_numel * static_cast<size_t>(world_)) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": reduce-scatter of " + where(key) +
                    " got " + std::to_string(in_numel) + " elements of " + dtypeName(dtype) +
-                   ", but the key was attached with world size " + std::to_string(world_) +
-                   " x " + std::to_string(spec.accum_numel) + " elements of " +
+                   ", but the key was attached with world size " + std::to_string(world_) + " x " +
+                   std::to_string(spec.accum_numel) + " elements of " +
                    dtypeName(spec.reduce_dtype));
   }
   ++current_.keyed_reduce_scatters;
@@ -199,8 +198,8 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
         {owner, static_cast<const uint8_t*>(in) + static_cast<size_t>(owner) * chunk_bytes});
     if (owner != rank_) current_.bytes_pushed += chunk_bytes;
   }
-  transport_->pushPeers(off.accum, off.first_lock, off.pushed_flag, epoch_, spec.accum_numel,
-                        dtype, scale, pushes, stream);
+  transport_->pushPeers(off.accum, off.first_lock, off.pushed_flag, epoch_, spec.accum_numel, dtype,
+                        scale, pushes, stream);
   transport_->endOp(stream);
 }
 
@@ -213,8 +212,11 @@ void Engine::waitAll(size_t control_offset, const char* phase) {
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     const auto ctx = context([this, peer, phase] {
-      return "peer rank " + std::to_string(peer) + " to " + phase + " the minibatch barrier of "
-             "minibatch " + std::to_string(epoch_) + ". Every rank must call "
+      return "peer rank " + std::to_string(peer) + " to " + phase +
+             " the minibatch barrier of "
+             "minibatch " +
+             std::to_string(epoch_) +
+             ". Every rank must call "
              "torch_odc.minibatch_barrier() once per minibatch.";
     });
     hostWait([&] { return transport_->loadControl(peer, control_offset) >= epoch_; },

@@ -62,14 +62,13 @@ class Engine {
   size_t keyIndex(const std::string& name) const;
 
   // Keyed all-gather: `in` is this rank's shard (in_bytes), `out` receives world shards.
-  void gather(size_t key, void* out, const void* in, size_t in_bytes, size_t out_bytes,
-              DType dtype, Stream stream);
+  void gather(size_t key, void* out, const void* in, size_t in_bytes, size_t out_bytes, DType dtype,
+              Stream stream);
   // Publishes `in` for `key` if not yet published in this epoch; reads nothing.
   void publish(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
   // Keyed reduce-scatter: adds scale * chunk j of `in` (world * accum_numel elements) into rank
   // j's accumulator of `key`.
-  void push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,
-            Stream stream);
+  void push(size_t key, const void* in, size_t in_numel, DType dtype, double scale, Stream stream);
 
   bool publishedThisEpoch(size_t key) const;
   // Barrier phase 1 (see above). After it, pushedThisEpoch/accumulator describe final sums.

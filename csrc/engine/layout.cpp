@@ -1,6 +1,5 @@
 #include "engine/layout.h"
 
-
 namespace torch_odc {
 
 namespace {

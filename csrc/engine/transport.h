@@ -50,8 +50,8 @@ class Transport {
   // transports that need locks); then stores `epoch` into the peer's flag at `pushed_offset`
   // (read only after the barrier, so it needs no ordering of its own).
   virtual void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
-                          uint64_t epoch, const void* src, size_t numel, DType dtype,
-                          double scale, Stream stream) = 0;
+                          uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
+                          Stream stream) = 0;
   // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
   // is >= value, then read `bytes` from the peer's region at `offset` into `dst`. Returns the
   // host seconds spent waiting (0 where the waits run on a device). The default runs the
@@ -94,7 +94,7 @@ class Transport {
 
   // ---- host control (barrier words; always host-visible) ----
   virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release
-  virtual uint64_t loadControl(int peer, size_t offset) = 0;      // acquire
+  virtual uint64_t loadControl(int peer, size_t offset) = 0;     // acquire
   virtual uint64_t loadLocalFlag(size_t offset) = 0;             // own data-region flag
   // Host pointer to the own region at `offset` (for CPU; device pointer for device transports).
   virtual void* localPointer(size_t offset) = 0;

@@ -177,8 +177,7 @@ void CudaIpcTransport::checkDeviceErrors() {
 }
 
 void CudaIpcTransport::writeLocal(size_t offset, const void* src, size_t bytes, Stream stream) {
-  check(cudaMemcpyAsync(at(rank_, offset), src, bytes, cudaMemcpyDeviceToDevice,
-                        asStream(stream)),
+  check(cudaMemcpyAsync(at(rank_, offset), src, bytes, cudaMemcpyDeviceToDevice, asStream(stream)),
         rank_, "shard cache copy");
 }
 
@@ -196,8 +195,8 @@ void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
     slot = next_slot_++ % kSlots;
     wait_descriptions_[slot] = ctx.describe;
   }
-  const auto remaining = std::chrono::duration_cast<std::chrono::nanoseconds>(
-      ctx.deadline - Clock::now());
+  const auto remaining =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(ctx.deadline - Clock::now());
   cuda_ipc::launchWait(reinterpret_cast<const uint64_t*>(at(peer, flag_offset)), value,
                        static_cast<uint64_t>(std::max<int64_t>(remaining.count(), 0)),
                        error_device_, slot, peerStream(peer, asStream(stream)));
@@ -281,8 +280,7 @@ uint64_t CudaIpcTransport::loadControl(int peer, size_t offset) {
 
 uint64_t CudaIpcTransport::loadLocalFlag(size_t offset) {
   uint64_t v = 0;
-  check(cudaMemcpy(&v, at(rank_, offset), sizeof v, cudaMemcpyDeviceToHost), rank_,
-        "flag read");
+  check(cudaMemcpy(&v, at(rank_, offset), sizeof v, cudaMemcpyDeviceToHost), rank_, "flag read");
   return v;
 }
 

@@ -97,8 +97,8 @@ class CudaIpcTransport : public Transport {
   std::vector<std::function<std::string()>> wait_descriptions_;
   uint32_t next_slot_ = 0;
   std::mutex mu_;
-  std::vector<cudaStream_t> side_;      // per peer
-  std::vector<cudaEvent_t> joined_;     // per peer: end of its part of the current op
+  std::vector<cudaStream_t> side_;   // per peer
+  std::vector<cudaEvent_t> joined_;  // per peer: end of its part of the current op
   std::vector<bool> side_used_;
   cudaEvent_t fork_ = nullptr;
   bool forked_ = false;

@@ -114,8 +114,8 @@ __global__ void pushF32(float* __restrict__ dst, const float* __restrict__ src, 
 // bf16 / fp16: 16-byte loads (8 elements), four paired reductions (red.global.add.noftz.bf16x2
 // / f16x2).
 template <typename T2, typename T>
-__global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t numel,
-                          float scale, uint64_t* pushed_flag, uint64_t epoch) {
+__global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t numel, float scale,
+                          uint64_t* pushed_flag, uint64_t epoch) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool aligned = aligned16(dst, src);
@@ -177,8 +177,7 @@ __global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t timeout_
   }
 }
 
-__global__ void __launch_bounds__(512)
-    odcGatherKernel(GatherArgs a, size_t bytes) {
+__global__ void __launch_bounds__(512) odcGatherKernel(GatherArgs a, size_t bytes) {
   const int y = blockIdx.y;
   const uint8_t* src = a.src[y];
   uint8_t* dst = a.dst[y];
@@ -234,12 +233,12 @@ __device__ __forceinline__ void red8(T2* dst, uint4 raw, float scale) {
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (std::is_same_v<T2, __nv_bfloat162>) {
-    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst),
-                 "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w)
+    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(raw.x),
+                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
                  : "memory");
   } else {
-    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst),
-                 "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w)
+    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(raw.x),
+                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
                  : "memory");
   }
 #else
@@ -316,8 +315,8 @@ void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
   check(cudaGetLastError(), "publish kernel launch");
 }
 
-void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
-                DeviceError* error, uint32_t slot, cudaStream_t stream) {
+void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
+                uint32_t slot, cudaStream_t stream) {
   waitKernel<<<1, 1, 0, stream>>>(peer_flag, value, timeout_ns, error, slot);
   check(cudaGetLastError(), "wait kernel launch");
 }
@@ -342,9 +341,9 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
           pushed_flag, epoch);
       break;
     case DType::kFloat16:
-      pushHalf2<__half2, __half><<<blocks, kThreads, 0, stream>>>(
-          static_cast<__half*>(dst), static_cast<const __half*>(src), numel, scale, pushed_flag,
-          epoch);
+      pushHalf2<__half2, __half><<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(dst),
+                                                                  static_cast<const __half*>(src),
+                                                                  numel, scale, pushed_flag, epoch);
       break;
     default:
       throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +

@@ -19,8 +19,8 @@ struct DeviceError {
 };
 
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream);
-void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
-                DeviceError* error, uint32_t slot, cudaStream_t stream);
+void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
+                uint32_t slot, cudaStream_t stream);
 // dst[i] += scale * src[i] for i < numel, with remote reductions; then *pushed_flag = epoch.
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
                 uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream);
@@ -29,16 +29,16 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
 // entries (GPUs of one host).
 constexpr int kMaxPeers = 16;  // <= 32: one waiting thread per entry
 struct GatherArgs {
-  const uint8_t* src[kMaxPeers];   // the peer's shard cache (mapped)
-  uint8_t* dst[kMaxPeers];         // the peer's chunk of the output
-  const uint64_t* flag[kMaxPeers]; // the peer's published flag (mapped)
-  uint32_t slot[kMaxPeers];        // description slot reported if this wait times out
+  const uint8_t* src[kMaxPeers];    // the peer's shard cache (mapped)
+  uint8_t* dst[kMaxPeers];          // the peer's chunk of the output
+  const uint64_t* flag[kMaxPeers];  // the peer's published flag (mapped)
+  uint32_t slot[kMaxPeers];         // description slot reported if this wait times out
   int count = 0;
 };
 struct PushArgs {
-  void* dst[kMaxPeers];            // the owner's accumulator (mapped, or own)
-  const void* src[kMaxPeers];      // the local chunk for that owner
-  uint64_t* flag[kMaxPeers];       // the owner's pushed flag
+  void* dst[kMaxPeers];        // the owner's accumulator (mapped, or own)
+  const void* src[kMaxPeers];  // the local chunk for that owner
+  uint64_t* flag[kMaxPeers];   // the owner's pushed flag
   int count = 0;
 };
 // A one-block kernel acquire-spins on every flag[y] >= value (deadline timeout_ns; on expiry

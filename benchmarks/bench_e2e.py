@@ -157,9 +157,11 @@ def calibrate(args, device, nccl_group):
     dim, layers, vocab = MODELS[args.model][0], MODELS[args.model][1], MODELS[args.model][5]
     model, handle, _ = build(args, device, "odc")
     n_params = sum(p.numel() for p in model.parameters())
-    short, long_ = max(2, int(256 * args.length_scale)), max(4, int(16384 * args.length_scale))
+    # Warm up with other lengths, then time lengths this process has not run: a real workload
+    # brings new lengths all the time, and first use of a shape costs host time.
+    short, long_ = max(2, int(257 * args.length_scale)), max(4, int(16385 * args.length_scale))
     times = {}
-    for n in (short, long_, short, long_):
+    for n in (short + 1, long_ - 1, short, long_):
         tokens = torch.randint(0, vocab, (n + 1,), device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -383,7 +385,7 @@ def plot(results, path):
                 y += 1
             y += 0.5
         ax.set_yticks([])
-        ax.set_xlabel(f"{w}: busy (compute kernels) across the last measured minibatch, ms")
+        ax.set_xlabel(f"{w}: busy (compute kernels) across the profiled minibatch, ms")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -453,12 +455,16 @@ def main():
     p.add_argument("--calibration", default=None, metavar="FLOPS_PER_S,FLOOR_S",
                    help="use this cost model instead of measuring it (runs that are merged "
                         "must plan with the same one)")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="measure the cost model, print CALIBRATION=FLOPS_PER_S,FLOOR_S, exit")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge result files of earlier runs into --tag")
     args = p.parse_args()
     if args.merge:
         merge(args.merge, args.out, args.tag or "e2e_merged")
         return
+    if args.calibrate_only:
+        args.workloads, args.configs = [], []
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
@@ -492,7 +498,11 @@ def main():
         calibration = {"flops_per_s": rate, "floor_s": floor}
         if rank == 0:
             print(f"cost model: {rate / 1e12:.0f} TFLOP/s (model flops), floor "
-                  f"{floor * 1e3:.0f} ms per microbatch", flush=True)
+                  f"{floor * 1e3:.0f} ms per microbatch\nCALIBRATION={rate:.6g},{floor:.6g}",
+                  flush=True)
+    if args.calibrate_only:
+        dist.destroy_process_group()
+        return
     results["cost_model"] = {"kind": args.cost, "calibration": calibration}
     for w in args.workloads:
         rng = np.random.default_rng(1234)

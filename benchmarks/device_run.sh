@@ -25,19 +25,35 @@ if [[ $what == bench || $what == all ]]; then
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
   done
 fi
-if [[ $what == e2e ]]; then  # issue 6: 4 GPUs; 4 sequences/rank (3 measured minibatches), then 16 (1)
+if [[ $what == e2e ]]; then
+  # Issue 6: one process per (workload, config) -- a process that already ran the same sequence
+  # lengths runs them faster (shape caches), which would favour whichever config runs later --
+  # all planning with one cost model measured first. 4 sequences per rank (2 measured
+  # minibatches), then 16 (1). ~5 min for 4, ~10 for 16 on 4 H200.
+  cal=$(timeout 150 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
+        2>&1 | grep -o 'CALIBRATION=.*' | cut -d= -f2)
+  [[ -n $cal ]] || { echo "cost-model calibration failed"; exit 1; }
   for spr in 4 16; do
-    mb=3; (( spr > 4 )) && mb=1
-    timeout 250 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT" \
-      --seqs-per-rank "$spr" --minibatches "$mb" --tag "e2e_1b_${gpus}gpu_${spr}spr" 2>&1 \
-      | tee "$OUT/bench_e2e_${spr}spr.log" | grep -v Warning | tail -14 || rc=1
+    mb=2; (( spr > 4 )) && mb=1
+    parts=()
+    for w in long-context rl equal; do
+      for c in nccl-micro odc-mini odc-micro; do
+        tag="p${spr}_${w}_${c}"
+        timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/e2e_parts \
+          --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
+          --calibration "$cal" --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
+        if [[ -f /tmp/e2e_parts/$tag.json ]]; then parts+=("/tmp/e2e_parts/$tag.json"); else rc=1; fi
+      done
+    done
+    (( ${#parts[@]} )) && "$PY" benchmarks/bench_e2e.py --merge "${parts[@]}" --out "$OUT" \
+      --tag "e2e_1b_${gpus}gpu_${spr}spr" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
   done
 fi
-if [[ $what == sanitize ]]; then
+if [[ $what == sanitize ]]; then  # the ODC primitive flow on 2 GPUs (no FSDP, no NCCL)
   for tool in memcheck racecheck; do
     timeout 280 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
-      "$PY" -m pytest tests/test_gpu_odc.py -q -p no:cacheprovider -k "2 and None" \
-      2>&1 | tee "$OUT/sanitizer_${tool}.log" | tail -8 || rc=1
+      torchrun --nproc-per-node=2 tests/sanitizer_flow.py 2>&1 | tee "$OUT/sanitizer_${tool}.log" \
+      | grep -E "SUMMARY|done" || rc=1
   done
 fi
 exit $rc

@@ -4,21 +4,23 @@ Launch one process per GPU (the device runs; see docs/benchmarks.md):
 
     torchrun --nproc-per-node=4 benchmarks/bench_e2e.py --out benchmarks/results
 
-A Llama-style decoder (RMSNorm, rotary, SwiGLU, causal SDPA; random init, no downloads) trained
-with bf16 compute, fp32 master weights and fp32 gradient reduction, activation checkpointing,
-per-layer fully_shard plus root. One sequence per microbatch (no padding). Every configuration
-runs in the same processes on the same seeded samples:
+A Llama-style decoder (RMSNorm, rotary, SwiGLU, causal flash attention; random init, no
+downloads) trained with bf16 compute, fp32 master weights and fp32 gradient reduction, activation
+checkpointing, per-layer fully_shard plus root. One sequence per microbatch (no padding), or with
+--pack-tokens N sequences packed back to back up to N tokens with document-causal varlen flash
+attention. Configurations, on the same seeded samples and one shared cost model (run each in its
+own process and --merge the results: benchmarks/device_run.sh e2e):
 
 * ``nccl-micro``: plain FSDP2 on an NCCL group, LB-Micro plan (same microbatch count per rank);
 * ``odc-mini``:   FSDP2 + torch_odc.attach on the "odc" group, LB-Mini plan;
 * ``odc-micro``:  the same with the LB-Micro plan (isolates the transport from the balancing).
 
-Per configuration: tokens/s per GPU, MFU, per-rank busy time and idle fraction over the measured
-minibatches, peak memory, and the planner's predicted makespan ratio micro/mini for the same data.
-Busy time on GPUs is the union of the rank's compute kernels (profiler; communication kernels,
-ODC waits and peer copies excluded) inside the minibatch window; idle = wall - busy. On CPU (a
-smoke test of the code path: --device cpu, tiny model) busy is the host time outside
-communication and is only indicative.
+Per configuration: tokens/s per GPU and MFU over the measured minibatches; per-rank busy time and
+idle fraction over one more, profiled minibatch (busy = the union of the rank's compute kernels;
+communication kernels, ODC waits and peer copies excluded; idle = 1 - busy / wall); GPU time per
+microbatch (CUDA events); peak memory and the ODC region; the planner's predicted makespan ratio
+micro/mini for the same data. On CPU (a smoke test of the code path: --device cpu, tiny model)
+busy is the host time and only indicative.
 """
 
 from __future__ import annotations
@@ -70,13 +72,48 @@ class RMSNorm(nn.Module):
         )
 
 
-def rotary(x, base: float = 500000.0):
-    t, d = x.shape[-2:]
-    inv = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * inv[None]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+def rotary_tables(positions, head_dim: int, dtype, base: float = 500000.0):
+    """cos / sin of every token's position, (T, 1, head_dim / 2): computed once per microbatch
+    and shared by every layer (per-layer recomputation is host work on the critical path)."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                      dtype=torch.float32) / head_dim)
+    ang = positions.float()[:, None] * inv[None]
+    return ang.cos().to(dtype)[:, None], ang.sin().to(dtype)[:, None]
+
+
+def rotary(x, cos, sin):
+    """x: (..., T, heads, head_dim)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Docs:
+    """The documents packed into one microbatch: token offsets (cu_seqlens) and the longest."""
+
+    def __init__(self, lengths, device):
+        self.lengths = [int(n) for n in lengths]
+        cu = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
+        self.cu = torch.from_numpy(cu).to(device)
+        self.max_len = max(self.lengths)
+
+
+def attention(q, k, v, docs: Docs):
+    """Causal attention within each document of a packed microbatch; q, k, v: (T, heads, d)."""
+    if len(docs.lengths) == 1:  # one sequence: SDPA's flash path
+        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True)
+        return att[0].transpose(0, 1)
+    if q.is_cuda:  # packed: varlen flash attention, no padding and no cross-document attention
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, docs.cu, docs.cu, docs.max_len, docs.max_len,
+                           window_size=(-1, 0))
+    outs, start = [], 0  # CPU (smoke tests): one SDPA per document
+    for n in docs.lengths:
+        sl = slice(start, start + n)
+        outs.append(attention(q[sl], k[sl], v[sl], Docs([n], q.device)))
+        start += n
+    return torch.cat(outs)
 
 
 class LlamaBlock(nn.Module):
@@ -90,17 +127,16 @@ class LlamaBlock(nn.Module):
         self.w13 = nn.Linear(dim, 2 * ffn, bias=False)
         self.w2 = nn.Linear(ffn, dim, bias=False)
 
-    def forward(self, x):
-        b, t, _ = x.shape
+    def forward(self, x, cos, sin, docs: Docs):
+        t = x.shape[0]  # x: (T, dim), the microbatch's documents back to back
         h = self.attn_norm(x)
-        q = self.wq(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.wkv(h).view(b, t, 2, self.kv_heads, self.head_dim).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        # Expand the kv heads so the flash kernel runs (its GQA support varies by version).
+        q = self.wq(h).view(t, self.heads, self.head_dim)
+        k, v = self.wkv(h).view(t, 2, self.kv_heads, self.head_dim).unbind(1)
+        # Expand the kv heads so the flash kernels run (their GQA support varies by version).
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        att = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
-        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
+        att = attention(rotary(q, cos, sin), rotary(k, cos, sin), v, docs)
+        x = x + self.wo(att.reshape(t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
@@ -113,14 +149,24 @@ class Llama(nn.Module):
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.checkpointing = checkpointing
+        self.head_dim = dim // heads
 
-    def forward(self, tokens, chunk: int = 8192):
-        """Summed next-token loss of one sequence; the LM head runs in chunks to bound memory."""
-        x = self.embed(tokens[None, :-1])
+    def forward(self, seqs, chunk: int = 8192):
+        """Summed next-token loss of a microbatch of sequences (1-D token tensors of length n + 1),
+        packed back to back; the LM head runs in chunks to bound memory."""
+        device = seqs[0].device
+        inputs = torch.cat([s[:-1] for s in seqs])
+        targets = torch.cat([s[1:] for s in seqs])
+        docs = Docs([s.numel() - 1 for s in seqs], device)
+        positions = torch.cat([torch.arange(n, device=device) for n in docs.lengths])
+        x = self.embed(inputs)
+        cos, sin = rotary_tables(positions, self.head_dim, x.dtype)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
-        x = self.norm(x)[0]
-        targets = tokens[1:]
+            if self.checkpointing:
+                x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, docs)
+        x = self.norm(x)
         total = x.new_zeros((), dtype=torch.float32)
         for s in range(0, x.shape[0], chunk):
             logits = self.head(x[s : s + chunk]).float()
@@ -133,21 +179,26 @@ def model_flops(lengths, n_params: float, layers: int, dim: int) -> float:
     return float(sum(6 * n_params * n + 6 * layers * dim * n * n for n in lengths))
 
 
-def plans(lengths, world, mode, cost):
-    """One sequence per microbatch: a cap of one token makes every sequence its own microbatch."""
+def plans(lengths, world, mode, cost, pack_tokens: int = 1):
+    """Microbatches of at most `pack_tokens` tokens; the default cap of one token makes every
+    sequence its own microbatch."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", balance.OversizedSequenceWarning)
-        return balance.plan([int(n) for n in lengths], world, 1, mode=mode, cost=cost)
+        return balance.plan([int(n) for n in lengths], world, pack_tokens, mode=mode, cost=cost)
 
 
-def time_cost(flops_per_s: float, floor_s: float, n_params: float, layers: int, dim: int):
-    """Seconds of one sequence as its own microbatch: GPU time at the measured rate, but never
+def time_cost(flops_per_s: float, floor_s: float, n_params: float, layers: int, dim: int,
+              pack_tokens: int = 1):
+    """Seconds of one sequence. As its own microbatch: GPU time at the measured rate, but never
     less than the measured per-microbatch floor (the host time to issue a forward and backward
-    of every layer, which bounds short sequences)."""
+    of every layer, which bounds short sequences). Packed: GPU time plus its token share of one
+    microbatch's floor."""
     def cost(length):
         f = balance.flops_cost(int(length), num_params=n_params, num_layers=layers,
                                hidden_size=dim)
-        return max(f / flops_per_s, floor_s)
+        if pack_tokens <= 1:
+            return max(f / flops_per_s, floor_s)
+        return f / flops_per_s + floor_s * min(1.0, length / pack_tokens)
     return cost
 
 
@@ -166,7 +217,7 @@ def calibrate(args, device, nccl_group):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        model(tokens).backward()
+        model([tokens]).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times[n] = time.perf_counter() - t0
@@ -226,7 +277,7 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
     for mb, lengths in enumerate(workload_lengths):
-        plan = plans(lengths, world, mode, cost)
+        plan = plans(lengths, world, mode, cost, args.pack_tokens)
         total_tokens = int(sum(lengths))
         # warmup, measured (tokens/s), then one profiled minibatch (busy/idle timeline): the
         # profiler's per-kernel overhead stays out of the throughput numbers.
@@ -253,18 +304,19 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                 if odc:
                     continue
                 tokens = torch.zeros(2, dtype=torch.long, device=device)
-                (model(tokens) * 0.0).backward()
+                (model([tokens]) * 0.0).backward()
                 if ev:
                     ev[1].record()
                 marks.append((0, ev, time.perf_counter() - th))
                 continue
-            (idx,) = micro
-            gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
-            tokens = torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen).to(device)
-            (model(tokens) * world / total_tokens).backward()
+            seqs = []
+            for idx in micro:  # the same tokens for sequence idx whatever plan places it
+                gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
+                seqs.append(torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen))
+            (model([t.to(device) for t in seqs]) * world / total_tokens).backward()
             if ev:
                 ev[1].record()
-            marks.append((int(lengths[idx]), ev, time.perf_counter() - th))
+            marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t_work = time.perf_counter() - t0
@@ -443,6 +495,9 @@ def main():
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"])
     p.add_argument("--seqs-per-rank", type=int, default=4)
+    p.add_argument("--pack-tokens", type=int, default=1,
+                   help="token cap of a microbatch: sequences are packed back to back with "
+                        "document-causal (varlen flash) attention; 1 = one sequence each")
     p.add_argument("--minibatches", type=int, default=3, help="measured minibatches")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cost", choices=["calibrated", "flops"], default="calibrated",
@@ -487,14 +542,14 @@ def main():
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Llama(*MODELS[args.model]).parameters())
     if args.cost == "flops":
-        cost = time_cost(1.0, 0.0, n_params, layers, dim)
+        cost = time_cost(1.0, 0.0, n_params, layers, dim, args.pack_tokens)
         calibration = None
     else:
         if args.calibration:
             rate, floor = (float(x) for x in args.calibration.split(","))
         else:
             rate, floor = calibrate(args, device, nccl_group)
-        cost = time_cost(rate, floor, n_params, layers, dim)
+        cost = time_cost(rate, floor, n_params, layers, dim, args.pack_tokens)
         calibration = {"flops_per_s": rate, "floor_s": floor}
         if rank == 0:
             print(f"cost model: {rate / 1e12:.0f} TFLOP/s (model flops), floor "
@@ -532,8 +587,9 @@ def main():
                           f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
                           f"alloc {pr['allocator']}", flush=True)
         if rank == 0:
-            ratios = [plans(x, world, "micro", cost).makespan
-                      / plans(x, world, "mini", cost).makespan for x in measured]
+            ratios = [plans(x, world, "micro", cost, args.pack_tokens).makespan
+                      / plans(x, world, "mini", cost, args.pack_tokens).makespan
+                      for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             results["workloads"][w] = entry
@@ -546,6 +602,7 @@ def main():
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
             "model": args.model, "seqs_per_rank": args.seqs_per_rank,
+            "pack_tokens": args.pack_tokens,
         }
         tag = args.tag or f"e2e_{args.model}_{world}{'gpu' if args.device == 'cuda' else 'cpu'}"
         write_results(results, args.out, tag)

@@ -29,8 +29,11 @@ if [[ $what == e2e ]]; then
   # Issue 6: one process per (workload, config) -- a process that already ran the same sequence
   # lengths runs them faster (shape caches), which would favour whichever config runs later --
   # all planning with one cost model measured first. 4 sequences per rank (2 measured
-  # minibatches), then 16 (1). ~5 min for 4, ~10 for 16 on 4 H200.
+  # minibatches), then 16 (1). ~5 min for 4, ~10 for 16 on 4 H200. E2E_PACK=N packs sequences
+  # into microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
+  pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
   cal=$(timeout 150 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
+        --pack-tokens "${E2E_PACK:-1}" \
         2>&1 | grep -o 'CALIBRATION=.*' | cut -d= -f2)
   [[ -n $cal ]] || { echo "cost-model calibration failed"; exit 1; }
   for spr in 4 16; do
@@ -41,12 +44,12 @@ if [[ $what == e2e ]]; then
         tag="p${spr}_${w}_${c}"
         timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/e2e_parts \
           --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
-          --calibration "$cal" --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
+          --pack-tokens "$pack" --calibration "$cal" --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
         if [[ -f /tmp/e2e_parts/$tag.json ]]; then parts+=("/tmp/e2e_parts/$tag.json"); else rc=1; fi
       done
     done
     (( ${#parts[@]} )) && "$PY" benchmarks/bench_e2e.py --merge "${parts[@]}" --out "$OUT" \
-      --tag "e2e_1b_${gpus}gpu_${spr}spr" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
+      --tag "e2e_1b_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
   done
 fi
 if [[ $what == sanitize ]]; then  # the ODC primitive flow on 2 GPUs (no FSDP, no NCCL)

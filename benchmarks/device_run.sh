@@ -52,11 +52,16 @@ if [[ $what == e2e ]]; then
       --tag "e2e_1b_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
   done
 fi
-if [[ $what == sanitize ]]; then  # the ODC primitive flow on 2 GPUs (no FSDP, no NCCL)
+if [[ $what == sanitize ]]; then
+  # The ODC primitive flow (torchrun, no FSDP) and FSDP2 + attach (spawned ranks), 2 GPUs, no
+  # NCCL in the processes.
   for tool in memcheck racecheck; do
-    timeout 280 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+    timeout 200 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
       torchrun --nproc-per-node=2 tests/sanitizer_flow.py 2>&1 | tee "$OUT/sanitizer_${tool}.log" \
       | grep -E "SUMMARY|done" || rc=1
+    timeout 400 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+      "$PY" tests/sanitizer_fsdp_flow.py 2>&1 | tee "$OUT/sanitizer_fsdp_${tool}.log" \
+      | grep -E "SUMMARY|ok|max" || rc=1
   done
 fi
 exit $rc

@@ -55,7 +55,7 @@ MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
     "tiny": (64, 2, 4, 2, 176, 512),
 }
 H200_BF16_DENSE_FLOPS = 989.4e12
-COMM_KERNELS = ("nccl", "waitKernel", "publishKernel", "pushF32", "pushHalf2", "Memcpy PtoP",
+COMM_KERNELS = ("nccl", "publishKernel", "Memcpy PtoP",
                 "odcWaitAll", "odcGather", "odcPush")
 
 

@@ -41,117 +41,9 @@ __global__ void publishKernel(uint64_t* flag, uint64_t value) {
   storeReleaseSys(flag, value);
 }
 
-__global__ void waitKernel(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns,
-                           DeviceError* error, uint32_t slot) {
-  const uint64_t start = globalTimerNs();
-  uint32_t backoff = 32;
-  while (loadAcquireSys(peer_flag) < value) {
-    if (globalTimerNs() - start > timeout_ns) {
-      // Give up: the host sees this at the next keyed call, Work::wait or the barrier, and
-      // raises; the data read after this wait is never used for an optimizer step.
-      error->slot = slot;
-      __threadfence_system();
-      atomicExch(&error->flag, 1u);
-      return;
-    }
-    __nanosleep(backoff);
-    if (backoff < 1024) backoff *= 2;
-  }
-}
-
 // The 16-byte vector paths need both buffers 16-byte aligned (FSDP2 chunks need not be).
 __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
   return (reinterpret_cast<uintptr_t>(a) % 16 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
-}
-
-// fp32: 16-byte loads, one vector reduction per 4 elements (sm_90: red.global.add.v4.f32).
-__global__ void pushF32(float* __restrict__ dst, const float* __restrict__ src, size_t numel,
-                        float scale, uint64_t* pushed_flag, uint64_t epoch) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool aligned = aligned16(dst, src);
-  size_t done = 0;
-  if (aligned) {
-    const size_t vecs = numel / 4;
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    float4* d4 = reinterpret_cast<float4*>(dst);
-    constexpr int kUnroll = 4;  // independent loads in flight before the reductions
-    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
-      float4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t i = base + u * stride;
-        if (i < vecs) v[u] = __ldg(s4 + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t i = base + u * stride;
-        if (i >= vecs) break;
-        float4 x = v[u];
-        x.x *= scale;
-        x.y *= scale;
-        x.z *= scale;
-        x.w *= scale;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(d4 + i, x);
-#else
-        atomicAdd(&d4[i].x, x.x);
-        atomicAdd(&d4[i].y, x.y);
-        atomicAdd(&d4[i].z, x.z);
-        atomicAdd(&d4[i].w, x.w);
-#endif
-      }
-    }
-    done = vecs * 4;
-  }
-  for (size_t i = done + tid; i < numel; i += stride) atomicAdd(dst + i, src[i] * scale);
-  if (tid == 0) {
-    __threadfence_system();
-    *pushed_flag = epoch;
-  }
-}
-
-// bf16 / fp16: 16-byte loads (8 elements), four paired reductions (red.global.add.noftz.bf16x2
-// / f16x2).
-template <typename T2, typename T>
-__global__ void pushHalf2(T* __restrict__ dst, const T* __restrict__ src, size_t numel, float scale,
-                          uint64_t* pushed_flag, uint64_t epoch) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool aligned = aligned16(dst, src);
-  size_t done = 0;
-  if (aligned) {
-    const size_t vecs = numel / 8;
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
-    T2* d2 = reinterpret_cast<T2*>(dst);
-    for (size_t i = tid; i < vecs; i += stride) {
-      uint4 raw = __ldg(s4 + i);
-      const T2* pairs = reinterpret_cast<const T2*>(&raw);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        float2 f;
-        if constexpr (sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16>) {
-          f = __bfloat1622float2(pairs[p]);
-          atomicAdd(d2 + 4 * i + p, __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale)));
-        } else {
-          f = __half22float2(pairs[p]);
-          atomicAdd(d2 + 4 * i + p, __float22half2_rn(make_float2(f.x * scale, f.y * scale)));
-        }
-      }
-    }
-    done = vecs * 8;
-  }
-  for (size_t i = done + tid; i < numel; i += stride) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      atomicAdd(dst + i, __float2bfloat16(__bfloat162float(src[i]) * scale));
-    } else {
-      atomicAdd(dst + i, __float2half(__half2float(src[i]) * scale));
-    }
-  }
-  if (tid == 0) {
-    __threadfence_system();
-    *pushed_flag = epoch;
-  }
 }
 
 // ---- one launch per keyed operation, all peers (blockIdx.y = entry) ----
@@ -167,6 +59,8 @@ __global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t timeout_
   uint32_t backoff = 32;
   while (loadAcquireSys(a.flag[y]) < value) {
     if (globalTimerNs() - start > timeout_ns) {
+      // Give up: the host sees this at the next keyed call, Work::wait or the barrier, and
+      // raises; the data read after this wait is never used for an optimizer step.
       error->slot = a.slot[y];
       __threadfence_system();
       atomicExch(&error->flag, 1u);
@@ -315,41 +209,25 @@ void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
   check(cudaGetLastError(), "publish kernel launch");
 }
 
+// The per-peer path (ODC_CUDA_FUSED=0) runs the same kernels with one entry.
 void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
                 uint32_t slot, cudaStream_t stream) {
-  waitKernel<<<1, 1, 0, stream>>>(peer_flag, value, timeout_ns, error, slot);
+  GatherArgs args;
+  args.flag[0] = peer_flag;
+  args.slot[0] = slot;
+  args.count = 1;
+  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, timeout_ns, error);
   check(cudaGetLastError(), "wait kernel launch");
 }
 
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
                 uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream) {
-  constexpr int kThreads = 512;
-  const size_t per_vec = dtype == DType::kFloat32 ? 4 : 8;
-  const size_t work = (numel + per_vec - 1) / per_vec;
-  const int max_blocks = 2 * sm_count;
-  const int blocks = static_cast<int>(
-      std::max<size_t>(1, std::min<size_t>(max_blocks, (work + kThreads - 1) / kThreads)));
-  switch (dtype) {
-    case DType::kFloat32:
-      pushF32<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(dst),
-                                               static_cast<const float*>(src), numel, scale,
-                                               pushed_flag, epoch);
-      break;
-    case DType::kBFloat16:
-      pushHalf2<__nv_bfloat162, __nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
-          static_cast<__nv_bfloat16*>(dst), static_cast<const __nv_bfloat16*>(src), numel, scale,
-          pushed_flag, epoch);
-      break;
-    case DType::kFloat16:
-      pushHalf2<__half2, __half><<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(dst),
-                                                                  static_cast<const __half*>(src),
-                                                                  numel, scale, pushed_flag, epoch);
-      break;
-    default:
-      throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +
-                     " is not supported (fp32, bf16, fp16)");
-  }
-  check(cudaGetLastError(), "push kernel launch");
+  PushArgs args;
+  args.dst[0] = dst;
+  args.src[0] = src;
+  args.flag[0] = pushed_flag;
+  args.count = 1;
+  launchPushAll(args, numel, dtype, scale, epoch, 2 * sm_count, stream);
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,

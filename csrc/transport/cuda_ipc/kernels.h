@@ -19,6 +19,7 @@ struct DeviceError {
 };
 
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream);
+// The per-peer operations of ODC_CUDA_FUSED=0: the kernels below with a single entry.
 void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
                 uint32_t slot, cudaStream_t stream);
 // dst[i] += scale * src[i] for i < numel, with remote reductions; then *pushed_flag = epoch.

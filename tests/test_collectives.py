@@ -1,5 +1,7 @@
 """Every forwarded collective on "odc" gives the same result (or the same error) as on gloo."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,8 +38,12 @@ def _backend_facts(rank, world):
         else None,
         "cuda_backend_created": backend.cuda_backend is not None,
     }
+    threads = len(os.listdir("/proc/self/task"))
     dist.destroy_process_group()
     facts["shutdown_after_destroy"] = backend.is_shutdown
+    # The inner gloo backend's worker threads are joined by the shutdown, not left running into
+    # interpreter exit (where a worker releasing a finished op's tensors aborts the process).
+    facts["threads_joined"] = threads - len(os.listdir("/proc/self/task"))
     return facts
 
 
@@ -48,6 +54,7 @@ def test_backend_identity_and_shutdown():
         assert facts["same_object_for_cuda_key"] is True
         assert facts["cuda_backend_created"] is False  # CPU-only use never creates NCCL
         assert facts["shutdown_after_destroy"] is True
+        assert facts["threads_joined"] >= 2, facts  # gloo's two worker threads at least
 
 
 def _subgroups(rank, world):

@@ -47,13 +47,15 @@ bool OdcBackend::isShutdown() const {
 }
 
 OdcBackend::BackendPtr OdcBackend::inner(c10::DeviceType device) {
+  TORCH_CHECK(device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA, "odc: rank ",
+              rank_, ": tensors on device type ", c10::DeviceTypeName(device),
+              " are not supported (only cpu and cuda)");
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": ", c10::DeviceTypeName(device),
+              " collective after the process group was shut down or aborted");
   if (device == c10::DeviceType::CPU) {
     return cpu_;
   }
-  TORCH_CHECK(device == c10::DeviceType::CUDA, "odc: rank ", rank_, ": tensors on device type ",
-              c10::DeviceTypeName(device), " are not supported (only cpu and cuda)");
-  std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": CUDA collective after shutdown");
   if (!cuda_) {
     TORCH_CHECK(cuda_factory_, "odc: rank ", rank_,
                 ": a CUDA tensor was passed but this build or process has no CUDA backend");
@@ -326,16 +328,20 @@ WorkPtr OdcBackend::barrier(const c10d::BarrierOptions& opts) {
 
 void OdcBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   checkAlive("monitored_barrier");
-  cpu_->monitoredBarrier(opts, wait_all_ranks);
+  inner(c10::DeviceType::CPU)->monitoredBarrier(opts, wait_all_ranks);
 }
 
-void OdcBackend::setSequenceNumberForGroup() { cpu_->setSequenceNumberForGroup(); }
+void OdcBackend::setSequenceNumberForGroup() {
+  inner(c10::DeviceType::CPU)->setSequenceNumberForGroup();
+}
 
-uint64_t OdcBackend::getSequenceNumberForGroup() { return cpu_->getSequenceNumberForGroup(); }
+uint64_t OdcBackend::getSequenceNumberForGroup() {
+  return inner(c10::DeviceType::CPU)->getSequenceNumberForGroup();
+}
 
 void OdcBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
-  cpu_->setTimeout(timeout);
+  inner(c10::DeviceType::CPU)->setTimeout(timeout);
   if (auto cuda = cudaBackendIfCreated()) {
     cuda->setTimeout(timeout);
   }
@@ -343,7 +349,7 @@ void OdcBackend::setTimeout(std::chrono::milliseconds timeout) {
 
 void OdcBackend::setGroupUid(const std::string& pg_uid) {
   c10d::Backend::setGroupUid(pg_uid);
-  cpu_->setGroupUid(pg_uid + ":odc-gloo");
+  inner(c10::DeviceType::CPU)->setGroupUid(pg_uid + ":odc-gloo");
   if (auto cuda = cudaBackendIfCreated()) {
     cuda->setGroupUid(pg_uid + ":odc-nccl");
   }
@@ -644,6 +650,7 @@ void OdcBackend::checkDeviceErrors(int generation) {
 
 void OdcBackend::shutdown() {
   BackendPtr cuda;
+  BackendPtr cpu;
   BackendFactory factory;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -652,6 +659,7 @@ void OdcBackend::shutdown() {
     }
     shutdown_ = true;
     cuda = std::move(cuda_);
+    cpu = std::move(cpu_);
     factory = std::move(cuda_factory_);
     engine_.reset();  // unmaps the shared regions
   }
@@ -659,11 +667,17 @@ void OdcBackend::shutdown() {
   if (cuda) {
     cuda->shutdown();
   }
-  cpu_->shutdown();
+  cpu->shutdown();
+  // Dropping the inner backends here (torch calls this without the GIL) joins gloo's worker
+  // threads now. Left to process exit, a worker could still be releasing the tensors of a
+  // finished op while the interpreter finalizes, and die taking the GIL (std::terminate).
+  cpu.reset();
+  cuda.reset();
 }
 
 void OdcBackend::abort() {
   BackendPtr cuda;
+  BackendPtr cpu;
   BackendFactory factory;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -672,6 +686,7 @@ void OdcBackend::abort() {
     }
     shutdown_ = true;
     cuda = std::move(cuda_);
+    cpu = std::move(cpu_);
     factory = std::move(cuda_factory_);
     engine_.reset();  // unmaps the shared regions
   }
@@ -679,7 +694,12 @@ void OdcBackend::abort() {
   if (cuda) {
     cuda->abort();
   }
-  cpu_->abort();
+  cpu->abort();
+  // Dropping the inner backends here (torch calls this without the GIL) joins gloo's worker
+  // threads now. Left to process exit, a worker could still be releasing the tensors of a
+  // finished op while the interpreter finalizes, and die taking the GIL (std::terminate).
+  cpu.reset();
+  cuda.reset();
 }
 
 }  // namespace torch_odc

@@ -154,7 +154,7 @@ class OdcBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   BackendPtr cpu_;
   BackendFactory cuda_factory_;
-  mutable std::mutex mu_;  // guards cuda_ creation and shutdown state
+  mutable std::mutex mu_;  // guards the inner backends (cuda_ created lazily) and shutdown_
   BackendPtr cuda_;
   bool shutdown_ = false;
   std::unique_ptr<Engine> engine_;

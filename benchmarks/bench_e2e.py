@@ -92,8 +92,10 @@ class Docs:
 
     def __init__(self, lengths, device):
         self.lengths = [int(n) for n in lengths]
-        cu = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32)
-        self.cu = torch.from_numpy(cu).to(device)
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32))
+        if torch.device(device).type == "cuda":  # no host sync: pinned, asynchronous copy
+            cu = cu.pin_memory()
+        self.cu = cu.to(device, non_blocking=True)
         self.max_len = max(self.lengths)
 
 
@@ -189,45 +191,71 @@ def plans(lengths, world, mode, cost, pack_tokens: int = 1):
 
 def time_cost(flops_per_s: float, floor_s: float, n_params: float, layers: int, dim: int,
               pack_tokens: int = 1):
-    """Seconds of one sequence. As its own microbatch: GPU time at the measured rate, but never
-    less than the measured per-microbatch floor (the host time to issue a forward and backward
-    of every layer, which bounds short sequences). Packed: GPU time plus its token share of one
-    microbatch's floor."""
+    """Seconds of one sequence, the affine model fitted by `calibrate`: its GPU time at the
+    measured rate plus a per-microbatch floor (the host and fixed GPU time every microbatch pays:
+    issuing 18 layers of forward, recompute and backward with FSDP2's hooks, the first and last
+    layers' communication). A sequence that shares a packed microbatch pays its token share of
+    the floor."""
     def cost(length):
         f = balance.flops_cost(int(length), num_params=n_params, num_layers=layers,
                                hidden_size=dim)
-        if pack_tokens <= 1:
-            return max(f / flops_per_s, floor_s)
-        return f / flops_per_s + floor_s * min(1.0, length / pack_tokens)
+        share = 1.0 if pack_tokens <= 1 else min(1.0, length / pack_tokens)
+        return f / flops_per_s + floor_s * share
     return cost
 
 
+def calibration_lengths(scale: float = 1.0):
+    """The lengths the cost model is fitted on: 512 to 48K tokens, none repeated (a real
+    workload brings new lengths all the time, and first use of a shape costs host time)."""
+    base = [509, 1021, 2039, 3067, 4093, 6143, 8191, 12281, 16381, 24571, 32749, 49139]
+    return [max(2, int(n * scale)) for n in base]
+
+
+def fit_cost(samples, n_params: float, layers: int, dim: int):
+    """Least-squares fit of seconds = floor + flops / rate over (length, seconds) samples;
+    returns (rate in flop/s, floor in s)."""
+    flops = np.array([balance.flops_cost(int(n), num_params=n_params, num_layers=layers,
+                                         hidden_size=dim) for n, _ in samples])
+    secs = np.array([t for _, t in samples])
+    a = np.stack([np.ones_like(flops), flops], axis=1)
+    (floor, per_flop), *_ = np.linalg.lstsq(a, secs, rcond=None)
+    if per_flop <= 0:  # degenerate (e.g. a CPU smoke test): rate from the longest alone
+        per_flop = secs[flops.argmax()] / flops.max()
+    return 1.0 / per_flop, max(0.0, float(floor))
+
+
 def calibrate(args, device, nccl_group):
-    """Measures the cost model on this machine: the time of a short (floor) and a long (rate)
-    sequence under ODC, max/min over ranks so every rank plans with the same numbers."""
+    """Fits the cost model on this machine: one warmup pass, then one timed pass over lengths
+    this process has not run (`calibration_lengths`), each sequence its own microbatch under
+    ODC, timed with CUDA events. Every rank fits its own; the slowest rate and the largest floor
+    over ranks are kept, so every rank plans with the same numbers."""
     dim, layers, vocab = MODELS[args.model][0], MODELS[args.model][1], MODELS[args.model][5]
-    model, handle, _ = build(args, device, "odc")
-    n_params = sum(p.numel() for p in model.parameters())
-    # Warm up with other lengths, then time lengths this process has not run: a real workload
-    # brings new lengths all the time, and first use of a shape costs host time.
-    short, long_ = max(2, int(257 * args.length_scale)), max(4, int(16385 * args.length_scale))
-    times = {}
-    for n in (short + 1, long_ - 1, short, long_):
-        tokens = torch.randint(0, vocab, (n + 1,), device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        model([tokens]).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times[n] = time.perf_counter() - t0
+    model, handle, n_params = build(args, device, "odc")
+    lengths = calibration_lengths(args.length_scale)
+    samples = []
+    for timed in (False, True):
+        for n in lengths:
+            n = n if timed else n + 3
+            tokens = torch.randint(0, vocab, (n + 1,), device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            model([tokens]).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if timed:
+                samples.append((n, time.perf_counter() - t0))
     torch_odc.minibatch_barrier()
     handle.detach()
     del model
-    flops_long = balance.flops_cost(long_, num_params=n_params, num_layers=layers, hidden_size=dim)
-    vals = torch.tensor([times[short], -flops_long / max(times[long_] - times[short], 1e-9)],
-                        dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    rate, floor = fit_cost(samples, n_params, layers, dim)
+    vals = torch.tensor([floor, -rate], dtype=torch.float64,
+                        device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=nccl_group)
+    if dist.get_rank() == 0:
+        fitted = time_cost(float(-vals[1]), float(vals[0]), n_params, layers, dim)
+        print("calibration (length: seconds measured on rank 0 / modeled): " + ", ".join(
+            f"{n}: {t:.3f}/{fitted(n):.3f}" for n, t in samples), flush=True)
     return float(-vals[1]), float(vals[0])
 
 
@@ -283,6 +311,16 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         # profiler's per-kernel overhead stays out of the throughput numbers.
         profiled = mb == len(workload_lengths) - 1
         measured = args.warmup <= mb and not profiled
+        # The rank's token tensors, made and pinned before the clock starts (a data loader's
+        # work, off the training loop), so copying them in never makes the host wait for the GPU.
+        inputs = []
+        for micro in plan.microbatches[rank]:
+            seqs = []
+            for idx in micro:  # the same tokens for sequence idx whatever plan places it
+                gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
+                t = torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen)
+                seqs.append(t.pin_memory() if device.type == "cuda" else t)
+            inputs.append(seqs)
         gc.collect()
         prof = None
         if profiled and device.type == "cuda":
@@ -294,7 +332,7 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         t0 = time.perf_counter()
         comm_s = 0.0
         marks = []  # (tokens, start event, end event, host seconds) per microbatch
-        for micro in plan.microbatches[rank]:
+        for micro, seqs in zip(plan.microbatches[rank], inputs):
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
                 if device.type == "cuda" else None
             if ev:
@@ -309,11 +347,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                     ev[1].record()
                 marks.append((0, ev, time.perf_counter() - th))
                 continue
-            seqs = []
-            for idx in micro:  # the same tokens for sequence idx whatever plan places it
-                gen = torch.Generator().manual_seed(mb * 1_000_003 + idx)
-                seqs.append(torch.randint(0, vocab, (int(lengths[idx]) + 1,), generator=gen))
-            (model([t.to(device) for t in seqs]) * world / total_tokens).backward()
+            (model([t.to(device, non_blocking=True) for t in seqs])
+             * world / total_tokens).backward()
             if ev:
                 ev[1].record()
             marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
@@ -454,15 +489,17 @@ def write_results(results, out, tag):
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
     print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
-          f"{'idle':>7}{'peak GiB':>9}  planner micro/mini")
+          f"{'idle':>7}{'plan idle':>10}{'peak GiB':>9}  planner micro/mini")
     for w, entry in results["workloads"].items():
         first = next(iter(entry["configs"]))
         for cfg, s in entry["configs"].items():
             mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
             peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
+            bound = entry.get("plan_idle_bound", {}).get(cfg.split("-")[-1].split("#")[0])
+            bound = f"{bound['profiled_minibatch']:.1%}" if bound else "-"
             print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
                   f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
-                  f"{s['idle_fraction_mean']:>7.1%}{peak:>9.1f}  "
+                  f"{s['idle_fraction_mean']:>7.1%}{bound:>10}{peak:>9.1f}  "
                   f"{entry['predicted_speedup_mini_over_micro']:.3f}")
 
 
@@ -558,7 +595,8 @@ def main():
     if args.calibrate_only:
         dist.destroy_process_group()
         return
-    results["cost_model"] = {"kind": args.cost, "calibration": calibration}
+    results["cost_model"] = {"kind": args.cost, "calibration": calibration,
+                             "form": "flops / rate + floor per microbatch"}
     for w in args.workloads:
         rng = np.random.default_rng(1234)
         lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
@@ -591,6 +629,18 @@ def main():
                       / plans(x, world, "mini", cost, args.pack_tokens).makespan
                       for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
+
+            def idle_bound(x, mode):  # the idle the plan itself implies, by its cost model
+                p = plans(x, world, mode, cost, args.pack_tokens)
+                return 1.0 - sum(p.rank_costs) / (world * p.makespan)
+
+            # Whole sequences cannot be split: one that costs more than a rank's share forces
+            # idle on the others whatever the balancer does.
+            entry["plan_idle_bound"] = {
+                mode: {"measured_minibatches": float(np.mean([idle_bound(x, mode)
+                                                              for x in measured])),
+                       "profiled_minibatch": idle_bound(lengths[-1], mode)}
+                for mode in ("mini", "micro")}
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             results["workloads"][w] = entry
     if rank == 0:

@@ -28,16 +28,21 @@ fi
 if [[ $what == e2e ]]; then
   # Issue 6: one process per (workload, config) -- a process that already ran the same sequence
   # lengths runs them faster (shape caches), which would favour whichever config runs later --
-  # all planning with one cost model measured first. 4 sequences per rank (2 measured
-  # minibatches), then 16 (1). ~5 min for 4, ~10 for 16 on 4 H200. E2E_PACK=N packs sequences
-  # into microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
+  # all planning with one cost model fitted first (or given as E2E_CAL=RATE,FLOOR).
+  # E2E_SPR: sequences per rank to run (default "4 16": 4 measured minibatches at 4, 1 at 16;
+  # ~6 and ~8 min on 4 H200, so split them over two calls). E2E_PACK=N packs sequences into
+  # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
-  cal=$(timeout 150 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
-        --pack-tokens "${E2E_PACK:-1}" \
-        2>&1 | grep -o 'CALIBRATION=.*' | cut -d= -f2)
-  [[ -n $cal ]] || { echo "cost-model calibration failed"; exit 1; }
-  for spr in 4 16; do
-    mb=2; (( spr > 4 )) && mb=1
+  cal="${E2E_CAL:-}"
+  if [[ -z $cal ]]; then
+    cal=$(timeout 150 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
+          --pack-tokens "$pack" 2>&1 | tee "$OUT/calibration.log" | grep -o 'CALIBRATION=.*' \
+          | cut -d= -f2)
+    [[ -n $cal ]] || { echo "cost-model calibration failed"; tail -20 "$OUT/calibration.log"; exit 1; }
+  fi
+  echo "cost model: $cal"
+  for spr in ${E2E_SPR:-4 16}; do
+    mb=4; (( spr > 4 )) && mb=1
     parts=()
     for w in long-context rl equal; do
       for c in nccl-micro odc-mini odc-micro; do

@@ -16,8 +16,10 @@ own process and --merge the results: benchmarks/device_run.sh e2e):
 * ``odc-micro``:  the same with the LB-Micro plan (isolates the transport from the balancing).
 
 Per configuration: tokens/s per GPU and MFU over the measured minibatches; per-rank busy time and
-idle fraction over one more, profiled minibatch (busy = the union of the rank's compute kernels;
-communication kernels, ODC waits and peer copies excluded; idle = 1 - busy / wall); GPU time per
+idle fractions over one more, profiled minibatch (busy = the union of the rank's compute kernels;
+communication kernels, ODC waits and peer copies excluded; idle = 1 - busy / wall, split into
+blocked = time in communication only or waiting at the end for the slowest rank, and host gap =
+no kernel running, the GPU waiting for the host); the plan's own idle bound; GPU time per
 microbatch (CUDA events); peak memory and the ODC region; the planner's predicted makespan ratio
 micro/mini for the same data. On CPU (a smoke test of the code path: --device cpu, tiny model)
 busy is the host time and only indicative.
@@ -291,6 +293,23 @@ def merged_busy(intervals):
     return total, spans
 
 
+def uncovered(spans, cover):
+    """Total length of the merged `spans` not covered by the merged `cover` (both sorted)."""
+    total, j = 0.0, 0
+    for s, e in spans:
+        pos = s
+        while j < len(cover) and cover[j][1] <= pos:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < e:
+            if cover[k][0] > pos:
+                total += cover[k][0] - pos
+            pos = max(pos, cover[k][1])
+            k += 1
+        total += max(0.0, e - pos)
+    return total
+
+
 def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost):
     vocab = MODELS[args.model][5]
     odc = cfg.startswith("odc")
@@ -377,16 +396,29 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             compute = [(e.time_range.start, e.time_range.end) for e in kernels
                        if not any(k in e.name for k in COMM_KERNELS)]
+            comm = [(e.time_range.start, e.time_range.end) for e in kernels
+                    if any(k in e.name for k in COMM_KERNELS)]
             if compute:
                 start = min(s for s, _ in compute)
                 busy_us, spans = merged_busy([(s - start, e - start) for s, e in compute])
                 row["busy_s"] = busy_us / 1e6
+                # The rank's own work ends with its last compute kernel; until then, time with
+                # only communication kernels running is time blocked in communication, and time
+                # with no kernel at all is the GPU waiting for the host to issue work.
+                work_end = spans[-1][1]
+                _, comm_spans = merged_busy([(max(0.0, s - start), min(e - start, work_end))
+                                             for s, e in comm
+                                             if s - start < work_end and e > start])
+                comm_only_us = uncovered(comm_spans, spans)
+                row["work_span_s"] = work_end / 1e6
+                row["comm_only_s"] = comm_only_us / 1e6
+                row["host_gap_s"] = (work_end - busy_us - comm_only_us) / 1e6
                 # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
                 _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
                 row["busy_spans_ms"] = [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
                                         for s, e in coarse]
-        else:
-            row["busy_s"] = t_work
+        else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
+            row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0, host_gap_s=0.0)
         if profiled:
             prof_row = row
         else:
@@ -419,6 +451,12 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
     last_wall = max(r["profiled"]["wall_s"] for r in per_rank)
     busy = [r["profiled"].get("busy_s", 0.0) for r in per_rank]
     idle = [1 - b / last_wall for b in busy]
+    # The issue's idle: time blocked in communication or in the barrier (after the rank's own
+    # work, waiting for the slowest), over wall time. The rest of the non-compute time is the
+    # GPU waiting for the host (host_gap).
+    blocked = [(last_wall - r["profiled"].get("work_span_s", last_wall)
+                + r["profiled"].get("comm_only_s", 0.0)) / last_wall for r in per_rank]
+    host_gap = [r["profiled"].get("host_gap_s", 0.0) / last_wall for r in per_rank]
     return {
         "tokens_per_s_per_gpu": tokens / wall / world,
         "mfu": flops / wall / world / H200_BF16_DENSE_FLOPS if args.device == "cuda" else None,
@@ -427,6 +465,9 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "busy_s_per_rank": busy,
         "idle_fraction_per_rank": idle,
         "idle_fraction_mean": float(np.mean(idle)),
+        "blocked_fraction_per_rank": blocked,
+        "blocked_fraction_mean": float(np.mean(blocked)),
+        "host_gap_fraction_mean": float(np.mean(host_gap)),
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
         # The ODC region (caches, accumulators) is allocated outside torch's allocator.
         "odc_region_gib_per_rank": [r["odc_region_gib"] for r in per_rank],
@@ -489,7 +530,8 @@ def write_results(results, out, tag):
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
     print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
-          f"{'idle':>7}{'plan idle':>10}{'peak GiB':>9}  planner micro/mini")
+          f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
+          "  planner micro/mini")
     for w, entry in results["workloads"].items():
         first = next(iter(entry["configs"]))
         for cfg, s in entry["configs"].items():
@@ -499,7 +541,8 @@ def write_results(results, out, tag):
             bound = f"{bound['profiled_minibatch']:.1%}" if bound else "-"
             print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
                   f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
-                  f"{s['idle_fraction_mean']:>7.1%}{bound:>10}{peak:>9.1f}  "
+                  f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
+                  f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "
                   f"{entry['predicted_speedup_mini_over_micro']:.3f}")
 
 

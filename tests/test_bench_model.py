@@ -50,3 +50,13 @@ def test_cost_fit_recovers_rate_and_floor():
     # Packed, a document pays its token share of its microbatch's floor.
     packed = time_cost(3.5e14, 0.15, n_params, layers, dim, pack_tokens=16384)
     assert abs((packed(8192) - truth(8192)) + 0.075) < 1e-9
+
+
+def test_uncovered_time():
+    """Time blocked in communication: communication spans not covered by compute spans."""
+    from bench_e2e import uncovered
+
+    assert uncovered([[0, 10]], [[2, 3], [5, 7]]) == 7
+    assert uncovered([[0, 10], [20, 30]], [[-5, 1], [9, 21], [25, 26]]) == 16
+    assert uncovered([[0, 10]], []) == 10
+    assert uncovered([[3, 4]], [[0, 10]]) == 0

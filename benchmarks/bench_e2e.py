@@ -293,6 +293,36 @@ def merged_busy(intervals):
     return total, spans
 
 
+class SyncReport:
+    """Collects the Python stacks of CUDA synchronizations (torch.cuda.set_sync_debug_mode)."""
+
+    def __init__(self):
+        import collections
+        import traceback
+
+        self.sites = collections.Counter()
+        self._format = traceback.format_stack
+        self._show = warnings.showwarning
+
+    def __enter__(self):
+        warnings.simplefilter("always")
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):
+                self.sites["".join(self._format(limit=8)[:-1])] += 1
+            else:
+                self._show(message, category, filename, lineno, file, line)
+        warnings.showwarning = show
+        return self
+
+    def __exit__(self, *exc):
+        warnings.showwarning = self._show
+        for stack, n in self.sites.most_common():
+            print(f"--- {n} synchronizing operation(s) at:\n{stack}", flush=True)
+        if not self.sites:
+            print("--- no synchronizing operation in the measured minibatches", flush=True)
+
+
 def uncovered(spans, cover):
     """Total length of the merged `spans` not covered by the merged `cover` (both sorted)."""
     total, j = 0.0, 0
@@ -348,6 +378,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         dist.barrier(group=nccl_group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if args.sync_debug and measured and rank == 0 and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
         comm_s = 0.0
         marks = []  # (tokens, start event, end event, host seconds) per microbatch
@@ -371,6 +403,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             if ev:
                 ev[1].record()
             marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
+        if args.sync_debug and device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t_work = time.perf_counter() - t0
@@ -594,6 +628,9 @@ def main():
                    help="measure the cost model, print CALIBRATION=FLOPS_PER_S,FLOOR_S, exit")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge result files of earlier runs into --tag")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="diagnostic: report every operation in the measured minibatches that "
+                        "makes the host wait for the GPU, with its Python stack (rank 0)")
     args = p.parse_args()
     if args.merge:
         merge(args.merge, args.out, args.tag or "e2e_merged")
@@ -640,6 +677,9 @@ def main():
         return
     results["cost_model"] = {"kind": args.cost, "calibration": calibration,
                              "form": "flops / rate + floor per microbatch"}
+    sync_report = SyncReport() if args.sync_debug and rank == 0 else None
+    if sync_report:
+        sync_report.__enter__()
     for w in args.workloads:
         rng = np.random.default_rng(1234)
         lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
@@ -686,6 +726,8 @@ def main():
                 for mode in ("mini", "micro")}
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             results["workloads"][w] = entry
+    if sync_report:
+        sync_report.__exit__(None, None, None)
     if rank == 0:
         results["environment"] = {
             "host": socket.gethostname(), "device": args.device,

@@ -57,6 +57,33 @@ def test_backend_identity_and_shutdown():
         assert facts["threads_joined"] >= 2, facts  # gloo's two worker threads at least
 
 
+def _abort_facts(rank, world):
+    import torch_odc
+
+    backend = torch_odc.odc_backend(dist.group.WORLD)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    threads = len(os.listdir("/proc/self/task"))
+    dist.distributed_c10d._abort_process_group()
+    facts = {"sum": t.item(), "shutdown_after_abort": backend.is_shutdown,
+             "threads_joined": threads - len(os.listdir("/proc/self/task"))}
+    try:
+        backend.allreduce([torch.ones(1)]).wait()
+        facts["after_abort"] = "no error"
+    except RuntimeError as err:
+        facts["after_abort"] = str(err)
+    return facts
+
+
+def test_abort_closes_inner_backends_and_later_calls_fail_clearly():
+    for rank, facts in enumerate(run_ranks(2, _abort_facts)):
+        assert facts["sum"] == 2.0
+        assert facts["shutdown_after_abort"] is True
+        assert facts["threads_joined"] >= 2, facts
+        assert f"odc: rank {rank}: " in facts["after_abort"], facts
+        assert "shut down or aborted" in facts["after_abort"], facts
+
+
 def _subgroups(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -648,34 +648,11 @@ void OdcBackend::checkDeviceErrors(int generation) {
 #endif
 }
 
-void OdcBackend::shutdown() {
-  BackendPtr cuda;
-  BackendPtr cpu;
-  BackendFactory factory;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (shutdown_) {
-      return;
-    }
-    shutdown_ = true;
-    cuda = std::move(cuda_);
-    cpu = std::move(cpu_);
-    factory = std::move(cuda_factory_);
-    engine_.reset();  // unmaps the shared regions
-  }
-  factory = nullptr;  // may release a Python callable: never under mu_
-  if (cuda) {
-    cuda->shutdown();
-  }
-  cpu->shutdown();
-  // Dropping the inner backends here (torch calls this without the GIL) joins gloo's worker
-  // threads now. Left to process exit, a worker could still be releasing the tensors of a
-  // finished op while the interpreter finalizes, and die taking the GIL (std::terminate).
-  cpu.reset();
-  cuda.reset();
-}
+void OdcBackend::shutdown() { close(/*abort=*/false); }
 
-void OdcBackend::abort() {
+void OdcBackend::abort() { close(/*abort=*/true); }
+
+void OdcBackend::close(bool abort) {
   BackendPtr cuda;
   BackendPtr cpu;
   BackendFactory factory;
@@ -691,10 +668,11 @@ void OdcBackend::abort() {
     engine_.reset();  // unmaps the shared regions
   }
   factory = nullptr;  // may release a Python callable: never under mu_
-  if (cuda) {
-    cuda->abort();
+  for (auto* inner : {&cuda, &cpu}) {
+    if (*inner) {
+      abort ? (*inner)->abort() : (*inner)->shutdown();
+    }
   }
-  cpu->abort();
   // Dropping the inner backends here (torch calls this without the GIL) joins gloo's worker
   // threads now. Left to process exit, a worker could still be releasing the tensors of a
   // finished op while the interpreter finalizes, and die taking the GIL (std::terminate).

@@ -122,6 +122,8 @@ class OdcBackend : public c10d::Backend {
   bool isShutdown() const;
 
  private:
+  // shutdown() and abort(): closes the inner backends the same way and releases them.
+  void close(bool abort);
   c10::intrusive_ptr<c10d::Work> keyedAllgather(int key, at::Tensor& output, at::Tensor& input);
   c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
                                                     const c10d::ReduceScatterOptions& opts);

@@ -24,21 +24,24 @@ PLANS = {
 
 
 @pytest.mark.parametrize(
-    "world,mp,reshard,empty_root,atol",
+    "world,mp,reshard,empty_root,atol,fused",
     [
-        (2, None, True, False, 1e-5),
-        (2, (BF16, FP32), False, True, 1e-3),
-        (4, None, True, True, 1e-5),
-        (4, (BF16, FP32), True, False, 1e-3),
-        (4, (BF16, BF16), False, False, 1e-3),
+        (2, None, True, False, 1e-5, True),
+        (2, (BF16, FP32), False, True, 1e-3, True),
+        (4, None, True, True, 1e-5, True),
+        (4, (BF16, FP32), True, False, 1e-3, True),
+        (4, (BF16, BF16), False, False, 1e-3, True),
+        # The per-peer path (ODC_CUDA_FUSED=0): one wait, copy and push launch per peer.
+        (2, (BF16, BF16), True, False, 1e-3, False),
+        (4, None, True, True, 1e-5, False),
     ],
 )
-def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol):
+def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol, fused):
     if world > GPUS:
         pytest.skip(f"needs {world} GPUs")
     uneven, even = PLANS[world]
     odc = run_ranks(world, train_odc, uneven, empty_root, mp, reshard, LR, None, "cuda", True,
-                    backend="odc", cuda=True)
+                    backend="odc", cuda=True, env={"ODC_CUDA_FUSED": "1" if fused else "0"})
     nccl = run_ranks(world, train_odc, even, empty_root, mp, reshard, LR, None, "cuda", False,
                      backend="nccl", cuda=True)
     cpu_ref = reference(uneven, empty_root, LR)  # the same samples, one process, fp32

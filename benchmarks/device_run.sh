@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2 and (when present) 4 GPUs. Logs and results go to $OUT (default: benchmarks/results).
-#   bash benchmarks/device_run.sh [tests|bench|sanitize|e2e|all]
+#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench sanitize e2e diag; all = tests,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
-what="${1:-all}"
+what="${1:-all}"; [[ $what == all ]] && what="tests,bench"
+has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
@@ -14,18 +15,18 @@ nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2
   tail -40 "$OUT/build.log"; exit 1; }
 "$PY" -c 'import torch_odc; assert torch_odc._C._has_cuda_transport(), "no CUDA transport built"'
 rc=0
-if [[ $what == tests || $what == all ]]; then
-  timeout 420 "$PY" -m pytest tests -q -k "gpu" -p no:cacheprovider --timeout=240 -rs \
+if has tests; then
+  timeout 420 "$PY" -m pytest tests -q -k "gpu or cuda" -p no:cacheprovider --timeout=240 -rs \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
-if [[ $what == bench || $what == all ]]; then
+if has bench; then
   for n in 2 4; do
     (( n <= gpus )) || continue
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
   done
 fi
-if [[ $what == e2e ]]; then
+if has e2e; then
   # Issue 6: one process per (workload, config) -- a process that already ran the same sequence
   # lengths runs them faster (shape caches), which would favour whichever config runs later --
   # all planning with one cost model fitted first (or given as E2E_CAL=RATE,FLOOR).
@@ -57,7 +58,16 @@ if [[ $what == e2e ]]; then
       --tag "e2e_1b_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
   done
 fi
-if [[ $what == sanitize ]]; then
+if has diag; then
+  # What makes short microbatches host-bound: every host-GPU synchronization in one measured
+  # RL minibatch, with its Python stack, under plain FSDP2 and under ODC.
+  for c in nccl-micro odc-mini; do
+    timeout 200 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/diag \
+      --workloads rl --configs "$c" --minibatches 1 --cost flops --sync-debug 2>&1 \
+      | grep -v -i "warn" | tee "$OUT/sync_debug_${c}.log" | tail -30 || rc=1
+  done
+fi
+if has sanitize; then
   # The ODC primitive flow (torchrun, no FSDP) and FSDP2 + attach (spawned ranks), 2 GPUs, no
   # NCCL in the processes.
   for tool in memcheck racecheck; do

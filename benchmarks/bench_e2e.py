@@ -191,18 +191,44 @@ def plans(lengths, world, mode, cost, pack_tokens: int = 1):
         return balance.plan([int(n) for n in lengths], world, pack_tokens, mode=mode, cost=cost)
 
 
-def time_cost(flops_per_s: float, floor_s: float, n_params: float, layers: int, dim: int,
-              pack_tokens: int = 1):
-    """Seconds of one sequence, the affine model fitted by `calibrate`: its GPU time at the
-    measured rate plus a per-microbatch floor (the host and fixed GPU time every microbatch pays:
+class CostModel(tuple):
+    """Seconds of a sequence = floor + dense flops / dense rate + attention flops / attention
+    rate (flops as in balance.flops_cost: 6 N L dense, 6 layers dim L^2 attention). Two rates,
+    because attention kernels and GEMMs run at different speeds and long-context and RL
+    workloads weigh them differently."""
+
+    def __new__(cls, dense_rate: float, attn_rate: float, floor: float):
+        return super().__new__(cls, (float(dense_rate), float(attn_rate), float(floor)))
+
+    dense_rate = property(lambda self: self[0])
+    attn_rate = property(lambda self: self[1])
+    floor = property(lambda self: self[2])
+
+    @classmethod
+    def parse(cls, text: str) -> CostModel:
+        """'DENSE,ATTN,FLOOR' (or 'RATE,FLOOR': one rate for both)."""
+        v = [float(x) for x in text.split(",")]
+        return cls(v[0], v[0], v[1]) if len(v) == 2 else cls(*v)
+
+    def __str__(self):
+        return f"{self.dense_rate:.10g},{self.attn_rate:.10g},{self.floor:.10g}"
+
+
+def _flops_terms(length: int, n_params: float, layers: int, dim: int):
+    x = float(length)
+    return 6.0 * n_params * x, 6.0 * layers * dim * x * x
+
+
+def time_cost(model: CostModel, n_params: float, layers: int, dim: int, pack_tokens: int = 1):
+    """Seconds of one sequence under `model` (fitted by `calibrate`): GPU time at the measured
+    rates plus the per-microbatch floor (the host and fixed GPU time every microbatch pays:
     issuing 18 layers of forward, recompute and backward with FSDP2's hooks, the first and last
     layers' communication). A sequence that shares a packed microbatch pays its token share of
     the floor."""
     def cost(length):
-        f = balance.flops_cost(int(length), num_params=n_params, num_layers=layers,
-                               hidden_size=dim)
+        dense, attn = _flops_terms(length, n_params, layers, dim)
         share = 1.0 if pack_tokens <= 1 else min(1.0, length / pack_tokens)
-        return f / flops_per_s + floor_s * share
+        return dense / model.dense_rate + attn / model.attn_rate + model.floor * share
     return cost
 
 
@@ -213,24 +239,27 @@ def calibration_lengths(scale: float = 1.0):
     return [max(2, int(n * scale)) for n in base]
 
 
-def fit_cost(samples, n_params: float, layers: int, dim: int):
-    """Least-squares fit of seconds = floor + flops / rate over (length, seconds) samples;
-    returns (rate in flop/s, floor in s)."""
-    flops = np.array([balance.flops_cost(int(n), num_params=n_params, num_layers=layers,
-                                         hidden_size=dim) for n, _ in samples])
+def fit_cost(samples, n_params: float, layers: int, dim: int) -> CostModel:
+    """Least-squares fit of the CostModel to (length, seconds) samples, in relative error so
+    short sequences count as much as long ones."""
+    terms = np.array([_flops_terms(n, n_params, layers, dim) for n, _ in samples])
     secs = np.array([t for _, t in samples])
-    a = np.stack([np.ones_like(flops), flops], axis=1)
-    (floor, per_flop), *_ = np.linalg.lstsq(a, secs, rcond=None)
-    if per_flop <= 0:  # degenerate (e.g. a CPU smoke test): rate from the longest alone
-        per_flop = secs[flops.argmax()] / flops.max()
-    return 1.0 / per_flop, max(0.0, float(floor))
+    a = np.column_stack([np.ones(len(secs)), terms]) / secs[:, None]
+    (floor, per_dense, per_attn), *_ = np.linalg.lstsq(a, np.ones(len(secs)), rcond=None)
+    if per_dense <= 0 or per_attn <= 0:  # degenerate (e.g. a CPU smoke test): one rate
+        a = np.column_stack([np.ones(len(secs)), terms.sum(axis=1)]) / secs[:, None]
+        (floor, per_dense), *_ = np.linalg.lstsq(a, np.ones(len(secs)), rcond=None)
+        if per_dense <= 0:
+            per_dense, floor = float(np.max(secs / terms.sum(axis=1))), 0.0
+        per_attn = per_dense
+    return CostModel(1.0 / per_dense, 1.0 / per_attn, max(0.0, float(floor)))
 
 
 def calibrate(args, device, nccl_group):
     """Fits the cost model on this machine: one warmup pass, then one timed pass over lengths
     this process has not run (`calibration_lengths`), each sequence its own microbatch under
-    ODC, timed with CUDA events. Every rank fits its own; the slowest rate and the largest floor
-    over ranks are kept, so every rank plans with the same numbers."""
+    ODC, timed from issue to GPU completion. Every rank fits its own; the slowest rates and the
+    largest floor over ranks are kept, so every rank plans with the same numbers."""
     dim, layers, vocab = MODELS[args.model][0], MODELS[args.model][1], MODELS[args.model][5]
     model, handle, n_params = build(args, device, "odc")
     lengths = calibration_lengths(args.length_scale)
@@ -250,15 +279,16 @@ def calibrate(args, device, nccl_group):
     torch_odc.minibatch_barrier()
     handle.detach()
     del model
-    rate, floor = fit_cost(samples, n_params, layers, dim)
-    vals = torch.tensor([floor, -rate], dtype=torch.float64,
+    fit = fit_cost(samples, n_params, layers, dim)
+    vals = torch.tensor([-fit.dense_rate, -fit.attn_rate, fit.floor], dtype=torch.float64,
                         device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=nccl_group)
+    agreed = CostModel(-float(vals[0]), -float(vals[1]), float(vals[2]))
     if dist.get_rank() == 0:
-        fitted = time_cost(float(-vals[1]), float(vals[0]), n_params, layers, dim)
+        fitted = time_cost(agreed, n_params, layers, dim)
         print("calibration (length: seconds measured on rank 0 / modeled): " + ", ".join(
             f"{n}: {t:.3f}/{fitted(n):.3f}" for n, t in samples), flush=True)
-    return float(-vals[1]), float(vals[0])
+    return agreed
 
 
 def build(args, device, kind):
@@ -621,11 +651,11 @@ def main():
                    help="multiply sequence lengths (CPU smoke tests use ~1/256)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name tag (default: model_world)")
-    p.add_argument("--calibration", default=None, metavar="FLOPS_PER_S,FLOOR_S",
+    p.add_argument("--calibration", default=None, metavar="DENSE,ATTN,FLOOR",
                    help="use this cost model instead of measuring it (runs that are merged "
                         "must plan with the same one)")
     p.add_argument("--calibrate-only", action="store_true",
-                   help="measure the cost model, print CALIBRATION=FLOPS_PER_S,FLOOR_S, exit")
+                   help="measure the cost model, print CALIBRATION=DENSE,ATTN,FLOOR, exit")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="no training: merge result files of earlier runs into --tag")
     p.add_argument("--sync-debug", action="store_true",
@@ -659,24 +689,26 @@ def main():
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Llama(*MODELS[args.model]).parameters())
     if args.cost == "flops":
-        cost = time_cost(1.0, 0.0, n_params, layers, dim, args.pack_tokens)
+        cost = time_cost(CostModel(1.0, 1.0, 0.0), n_params, layers, dim, args.pack_tokens)
         calibration = None
     else:
         if args.calibration:
-            rate, floor = (float(x) for x in args.calibration.split(","))
+            fit = CostModel.parse(args.calibration)
         else:
-            rate, floor = calibrate(args, device, nccl_group)
-        cost = time_cost(rate, floor, n_params, layers, dim, args.pack_tokens)
-        calibration = {"flops_per_s": rate, "floor_s": floor}
+            fit = calibrate(args, device, nccl_group)
+        cost = time_cost(fit, n_params, layers, dim, args.pack_tokens)
+        calibration = {"dense_flops_per_s": fit.dense_rate, "attention_flops_per_s": fit.attn_rate,
+                       "floor_s": fit.floor}
         if rank == 0:
-            print(f"cost model: {rate / 1e12:.0f} TFLOP/s (model flops), floor "
-                  f"{floor * 1e3:.0f} ms per microbatch\nCALIBRATION={rate:.6g},{floor:.6g}",
-                  flush=True)
+            print(f"cost model: dense {fit.dense_rate / 1e12:.0f} TFLOP/s, attention "
+                  f"{fit.attn_rate / 1e12:.0f} TFLOP/s (model flops), floor "
+                  f"{fit.floor * 1e3:.0f} ms per microbatch\nCALIBRATION={fit}", flush=True)
     if args.calibrate_only:
         dist.destroy_process_group()
         return
     results["cost_model"] = {"kind": args.cost, "calibration": calibration,
-                             "form": "flops / rate + floor per microbatch"}
+                             "form": "floor + dense flops / dense rate + attention flops / "
+                                     "attention rate"}
     sync_report = SyncReport() if args.sync_debug and rank == 0 else None
     if sync_report:
         sync_report.__enter__()

@@ -29,7 +29,7 @@ fi
 if has e2e; then
   # Issue 6: one process per (workload, config) -- a process that already ran the same sequence
   # lengths runs them faster (shape caches), which would favour whichever config runs later --
-  # all planning with one cost model fitted first (or given as E2E_CAL=RATE,FLOOR).
+  # all planning with one cost model fitted first (or given as E2E_CAL=DENSE,ATTN,FLOOR).
   # E2E_SPR: sequences per rank to run (default "4 16": 4 measured minibatches at 4, 1 at 16;
   # ~6 and ~8 min on 4 H200, so split them over two calls). E2E_PACK=N packs sequences into
   # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.

@@ -34,21 +34,27 @@ def test_packed_microbatch_equals_its_documents(device):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_cost_fit_recovers_rate_and_floor():
-    """The planner's cost model: seconds = floor + flops / rate, fitted from timed sequences."""
-    from bench_e2e import calibration_lengths, fit_cost, time_cost
+def test_cost_fit_recovers_rates_and_floor():
+    """The planner's cost model: seconds = floor + dense flops / dense rate + attention flops /
+    attention rate, fitted from timed sequences of new lengths."""
+    from bench_e2e import CostModel, calibration_lengths, fit_cost, time_cost
 
     n_params, layers, dim = 1.06e9, 18, 2048
-    truth = time_cost(3.5e14, 0.15, n_params, layers, dim)
+    want = CostModel(4.0e14, 2.5e14, 0.15)
+    truth = time_cost(want, n_params, layers, dim)
     lengths = calibration_lengths()
     assert len(set(lengths)) == len(lengths)  # every timed length is new to the process
     rng = torch.Generator().manual_seed(0)
     noise = 1 + 0.01 * (torch.rand(len(lengths), generator=rng) - 0.5)
     samples = [(n, truth(n) * float(e)) for n, e in zip(lengths, noise)]
-    rate, floor = fit_cost(samples, n_params, layers, dim)
-    assert abs(rate / 3.5e14 - 1) < 0.02 and abs(floor - 0.15) < 0.01, (rate, floor)
+    got = fit_cost(samples, n_params, layers, dim)
+    assert abs(got.dense_rate / want.dense_rate - 1) < 0.05, got
+    assert abs(got.attn_rate / want.attn_rate - 1) < 0.05, got
+    assert abs(got.floor - want.floor) < 0.01, got
+    assert all(abs(a / b - 1) < 1e-9 for a, b in zip(CostModel.parse(str(got)), got))
+    assert CostModel.parse("3e14,0.1") == CostModel(3e14, 3e14, 0.1)
     # Packed, a document pays its token share of its microbatch's floor.
-    packed = time_cost(3.5e14, 0.15, n_params, layers, dim, pack_tokens=16384)
+    packed = time_cost(want, n_params, layers, dim, pack_tokens=16384)
     assert abs((packed(8192) - truth(8192)) + 0.075) < 1e-9
 
 

@@ -353,6 +353,40 @@ class SyncReport:
             print("--- no synchronizing operation in the measured minibatches", flush=True)
 
 
+def kernel_breakdown(kernels) -> dict:
+    """Splits a rank's profiled minibatch (kernels with .name and .time_range in us) into busy
+    (compute kernels), blocked in communication (only communication kernels running) and host
+    gap (no kernel: the GPU waiting for the host), over its work window: from its start marker
+    to its end marker (after the last microbatch; the barrier's publish and finalize kernels
+    come later and count as waiting for the slowest rank)."""
+    markers = sorted(e.time_range.start for e in kernels if "spin_kernel" in e.name)
+    start, work_end = markers[0], markers[-1]
+    compute = clipped(kernels, start, work_end,
+                      lambda n: not any(k in n for k in COMM_KERNELS + ("spin_kernel",)))
+    if not compute:
+        return {}
+    busy_us, spans = merged_busy(compute)
+    _, comm_spans = merged_busy(clipped(kernels, start, work_end,
+                                        lambda n: any(k in n for k in COMM_KERNELS)))
+    comm_only_us = uncovered(comm_spans, spans)
+    work_us = work_end - start
+    # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
+    _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
+    return {"busy_s": busy_us / 1e6, "work_span_s": work_us / 1e6,
+            "comm_only_s": comm_only_us / 1e6,
+            "host_gap_s": (work_us - busy_us - comm_only_us) / 1e6,
+            "busy_spans_ms": [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
+                              for s, e in coarse]}
+
+
+def clipped(kernels, start, end, pred):
+    """(start, end) of the profiled kernels whose name satisfies `pred`, clipped to the window
+    and relative to its start."""
+    return [(max(e.time_range.start, start) - start, min(e.time_range.end, end) - start)
+            for e in kernels
+            if pred(e.name) and e.time_range.end > start and e.time_range.start < end]
+
+
 def uncovered(spans, cover):
     """Total length of the merged `spans` not covered by the merged `cover` (both sorted)."""
     total, j = 0.0, 0
@@ -411,6 +445,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         if args.sync_debug and measured and rank == 0 and device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
+        if prof is not None:  # marks the start of the rank's work on the profiled timeline
+            torch.cuda._sleep(1)
         comm_s = 0.0
         marks = []  # (tokens, start event, end event, host seconds) per microbatch
         for micro, seqs in zip(plan.microbatches[rank], inputs):
@@ -435,6 +471,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
+        if prof is not None:  # ... and its end, before the barrier's own kernels
+            torch.cuda._sleep(1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t_work = time.perf_counter() - t0
@@ -457,30 +495,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                "per_micro": [[n, round(e[0].elapsed_time(e[1]), 2) if e else None,
                               round(h * 1e3, 2)] for n, e, h in marks]}
         if prof is not None:
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            compute = [(e.time_range.start, e.time_range.end) for e in kernels
-                       if not any(k in e.name for k in COMM_KERNELS)]
-            comm = [(e.time_range.start, e.time_range.end) for e in kernels
-                    if any(k in e.name for k in COMM_KERNELS)]
-            if compute:
-                start = min(s for s, _ in compute)
-                busy_us, spans = merged_busy([(s - start, e - start) for s, e in compute])
-                row["busy_s"] = busy_us / 1e6
-                # The rank's own work ends with its last compute kernel; until then, time with
-                # only communication kernels running is time blocked in communication, and time
-                # with no kernel at all is the GPU waiting for the host to issue work.
-                work_end = spans[-1][1]
-                _, comm_spans = merged_busy([(max(0.0, s - start), min(e - start, work_end))
-                                             for s, e in comm
-                                             if s - start < work_end and e > start])
-                comm_only_us = uncovered(comm_spans, spans)
-                row["work_span_s"] = work_end / 1e6
-                row["comm_only_s"] = comm_only_us / 1e6
-                row["host_gap_s"] = (work_end - busy_us - comm_only_us) / 1e6
-                # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
-                _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
-                row["busy_spans_ms"] = [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
-                                        for s, e in coarse]
+            row.update(kernel_breakdown([e for e in prof.events()
+                                         if e.device_type == torch.autograd.DeviceType.CUDA]))
         else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
             row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0, host_gap_s=0.0)
         if profiled:

@@ -66,3 +66,30 @@ def test_uncovered_time():
     assert uncovered([[0, 10], [20, 30]], [[-5, 1], [9, 21], [25, 26]]) == 16
     assert uncovered([[0, 10]], []) == 10
     assert uncovered([[3, 4]], [[0, 10]]) == 0
+
+
+def test_kernel_breakdown_splits_busy_blocked_and_host_gap():
+    """A profiled rank: compute, communication alone, an empty gap, then the barrier's kernels
+    after the end marker (not the rank's work)."""
+    from types import SimpleNamespace
+
+    from bench_e2e import kernel_breakdown
+
+    def k(name, s, e):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=s, end=e))
+
+    kernels = [
+        k("ncclDevKernel_Barrier", -500, -100),  # before the start marker: not counted
+        k("spin_kernel", 0, 10),
+        k("odcGatherKernel", 10, 110),        # comm alone: blocked 100
+        k("ampere_bf16_gemm", 110, 1110),      # compute 1000
+        k("odcPushKernel", 1000, 1300),        # overlaps compute by 110: alone 190
+        k("flash_fwd_kernel", 1500, 2000),     # compute 500; 1300..1500 is a host gap of 200
+        k("spin_kernel", 2000, 2005),
+        k("elementwise_kernel", 2100, 2300),   # the barrier's finalize: after the window
+    ]
+    b = kernel_breakdown(kernels)
+    assert abs(b["busy_s"] - 1500e-6) < 1e-12
+    assert abs(b["comm_only_s"] - 290e-6) < 1e-12
+    assert abs(b["work_span_s"] - 2000e-6) < 1e-12
+    assert abs(b["host_gap_s"] - 210e-6) < 1e-12  # 200 idle + the start marker's 10

@@ -64,11 +64,12 @@ def reference(plan: list[list[int]], root_without_params: bool, lr: float) -> di
 
 
 def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
-              sleep_in=None, device="cpu", attach=True):
+              sleep_in=None, device="cpu", attach=True, local_shards=False):
     """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
 
     With attach=False this is plain FSDP2 over the group's backend (every rank must then run
-    the same number of microbatches)."""
+    the same number of microbatches). Returns the full parameters (an all-gather), or with
+    local_shards=True this rank's dim-0 shards, no collective (join them with `join_shards`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -105,12 +106,20 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         timeline.append(("barrier_exit", mb, time.time()))
         opt.step()
         opt.zero_grad()
-    full = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
+    if local_shards:
+        full = {k: v.to_local().detach().float().cpu() for k, v in model.state_dict().items()}
+    else:
+        full = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
     stats = handle.stats() if attach else None
     if attach:
         handle.detach()
     dist.barrier()
     return full, stats, timeline
+
+
+def join_shards(per_rank):
+    """The full parameters from every rank's `train_odc(..., local_shards=True)` result."""
+    return {k: torch.cat([r[0][k] for r in per_rank]) for k in per_rank[0][0]}
 
 
 def profiled_minibatch(rank, world, counts):

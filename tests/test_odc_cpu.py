@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
-from odc_training import make_model, profiled_minibatch, reference, train_odc
+from odc_training import join_shards, make_model, profiled_minibatch, reference, train_odc
 
 LR = 0.1
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -63,6 +63,18 @@ def test_odc_training_matches_single_process_reference(
         # cache in the gather dtype and the accumulator in the reduce dtype, >= 2 bytes each).
         n_shard = sum(v.numel() for v in want.values()) / world
         assert stats["region_bytes"] >= 4 * n_shard * 0.9, stats["region_bytes"]
+
+
+def test_local_shards_join_to_the_reference():
+    """What the compute-sanitizer flow relies on: each rank's dim-0 shards, joined in rank
+    order, are the full parameters (no all-gather needed to check a run)."""
+    plan = PLANS[4]
+    got = join_shards(run_ranks(4, train_odc, plan, False, None, True, LR, None, "cpu", True,
+                                True))
+    want = reference(plan, False, LR)
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)
 
 
 def test_fast_rank_does_not_wait_for_a_slow_rank_before_the_barrier():

@@ -360,6 +360,11 @@ def kernel_breakdown(kernels) -> dict:
     to its end marker (after the last microbatch; the barrier's publish and finalize kernels
     come later and count as waiting for the slowest rank)."""
     markers = sorted(e.time_range.start for e in kernels if "spin_kernel" in e.name)
+    if len(markers) < 2:  # no markers: the window of the compute kernels themselves
+        own = [e.time_range for e in kernels if not any(k in e.name for k in COMM_KERNELS)]
+        if not own:
+            return {}
+        markers = [min(r.start for r in own), max(r.end for r in own)]
     start, work_end = markers[0], markers[-1]
     compute = clipped(kernels, start, work_end,
                       lambda n: not any(k in n for k in COMM_KERNELS + ("spin_kernel",)))

@@ -93,3 +93,17 @@ def test_kernel_breakdown_splits_busy_blocked_and_host_gap():
     assert abs(b["comm_only_s"] - 290e-6) < 1e-12
     assert abs(b["work_span_s"] - 2000e-6) < 1e-12
     assert abs(b["host_gap_s"] - 210e-6) < 1e-12  # 200 idle + the start marker's 10
+
+
+def test_kernel_breakdown_without_markers_uses_the_compute_window():
+    from types import SimpleNamespace
+
+    from bench_e2e import kernel_breakdown
+
+    def k(name, s, e):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=s, end=e))
+
+    b = kernel_breakdown([k("gemm", 100, 200), k("ncclKernel", 200, 250), k("gemm", 300, 400)])
+    assert abs(b["work_span_s"] - 300e-6) < 1e-12 and abs(b["busy_s"] - 200e-6) < 1e-12
+    assert abs(b["comm_only_s"] - 50e-6) < 1e-12 and abs(b["host_gap_s"] - 50e-6) < 1e-12
+    assert kernel_breakdown([]) == {}

@@ -64,7 +64,7 @@ if has diag; then
   for c in nccl-micro odc-mini; do
     timeout 200 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/diag \
       --workloads rl --configs "$c" --minibatches 1 --cost flops --sync-debug 2>&1 \
-      | grep -v -i "warn" | tee "$OUT/sync_debug_${c}.log" | tail -30 || rc=1
+      | grep -v -i "warn" | tee -a "$OUT/sync_debug.log" | tail -30 || rc=1
   done
 fi
 if has sanitize; then

@@ -72,7 +72,8 @@ uint16_t floatToHalf(float f) {  // round to nearest even
   std::memcpy(&x, &f, sizeof x);
   const uint32_t sign = (x >> 16) & 0x8000u;
   x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0));
+  if (x >= 0x7f800000u)
+    return static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0));
   if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow to inf
   if (x < 0x38800000u) {                                               // subnormal or zero
     if (x < 0x33000000u) return static_cast<uint16_t>(sign);
@@ -90,6 +91,15 @@ uint16_t floatToHalf(float f) {  // round to nearest even
   const uint32_t rem = x & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (res & 1))) ++res;
   return static_cast<uint16_t>(sign | res);
+}
+
+// dst += src * scale over 16-bit floats, added in fp32 and rounded once per element.
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void accumulate16(void* dst, const void* src, size_t numel, double scale) {
+  auto* d = static_cast<uint16_t*>(dst);
+  const auto* s = static_cast<const uint16_t*>(src);
+  const float f = static_cast<float>(scale);
+  for (size_t i = 0; i < numel; ++i) d[i] = FromFloat(ToFloat(d[i]) + ToFloat(s[i]) * f);
 }
 
 }  // namespace
@@ -113,24 +123,12 @@ void accumulateCpu(void* dst, const void* src, size_t numel, DType dtype, double
       for (size_t i = 0; i < numel; ++i) d[i] += s[i] * scale;
       return;
     }
-    case DType::kBFloat16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      const auto* s = static_cast<const uint16_t*>(src);
-      const float f = static_cast<float>(scale);
-      for (size_t i = 0; i < numel; ++i) {
-        d[i] = floatToBf16(bf16ToFloat(d[i]) + bf16ToFloat(s[i]) * f);
-      }
+    case DType::kBFloat16:
+      accumulate16<bf16ToFloat, floatToBf16>(dst, src, numel, scale);
       return;
-    }
-    case DType::kFloat16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      const auto* s = static_cast<const uint16_t*>(src);
-      const float f = static_cast<float>(scale);
-      for (size_t i = 0; i < numel; ++i) {
-        d[i] = floatToHalf(halfToFloat(d[i]) + halfToFloat(s[i]) * f);
-      }
+    case DType::kFloat16:
+      accumulate16<halfToFloat, floatToHalf>(dst, src, numel, scale);
       return;
-    }
     case DType::kByte:
       break;
   }
@@ -157,12 +155,13 @@ void ShmTransport::connect(Rendezvous& rdv, const std::string& prefix, const Reg
   name_ = "/odc-" + token.substr(0, 16) + "-" + std::to_string(::getpid()) + "-r" +
           std::to_string(rank_);
   const int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": shm_open " + name_));
+  if (fd < 0)
+    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": shm_open " + name_));
   if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
     ::close(fd);
     ::shm_unlink(name_.c_str());
-    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": ftruncate " + name_ +
-                            " to " + std::to_string(bytes_) + " bytes (is /dev/shm large enough?)"));
+    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": ftruncate " + name_ + " to " +
+                            std::to_string(bytes_) + " bytes (is /dev/shm large enough?)"));
   }
   void* base = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);

@@ -45,7 +45,7 @@ if has e2e; then
   for spr in ${E2E_SPR:-4 16}; do
     mb=4; (( spr > 4 )) && mb=1
     parts=()
-    for w in long-context rl equal; do
+    for w in ${E2E_WORKLOADS:-long-context rl equal}; do
       for c in nccl-micro odc-mini odc-micro; do
         tag="p${spr}_${w}_${c}"
         timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/e2e_parts \
@@ -69,14 +69,28 @@ if has diag; then
 fi
 if has sanitize; then
   # The ODC primitive flow (torchrun, no FSDP) and FSDP2 + attach (spawned ranks), 2 GPUs, no
-  # NCCL in the processes.
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
-      torchrun --nproc-per-node=2 tests/sanitizer_flow.py 2>&1 | tee "$OUT/sanitizer_${tool}.log" \
-      | grep -E "SUMMARY|done" || rc=1
-    timeout 400 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
-      "$PY" tests/sanitizer_fsdp_flow.py 2>&1 | tee "$OUT/sanitizer_fsdp_${tool}.log" \
-      | grep -E "SUMMARY|ok|max" || rc=1
-  done
+  # NCCL in the processes. With 4 GPUs memcheck and racecheck run at once on separate pairs,
+  # within what is left of SANITIZE_DEADLINE seconds since this script started (default 570).
+  sanitize() {  # tool, visible devices, torchrun port
+    local left=$(( ${SANITIZE_DEADLINE:-570} - SECONDS ))
+    CUDA_VISIBLE_DEVICES=$2 timeout $(( left * 2 / 5 )) compute-sanitizer --tool "$1" \
+      --target-processes all --error-exitcode 9 torchrun --master-port "$3" --nproc-per-node=2 \
+      tests/sanitizer_flow.py > "$OUT/sanitizer_$1.log" 2>&1 || echo "$1 primitive flow: rc=$?"
+    left=$(( ${SANITIZE_DEADLINE:-570} - SECONDS ))
+    CUDA_VISIBLE_DEVICES=$2 timeout "$left" compute-sanitizer --tool "$1" \
+      --target-processes all --error-exitcode 9 "$PY" tests/sanitizer_fsdp_flow.py \
+      > "$OUT/sanitizer_fsdp_$1.log" 2>&1 || echo "$1 FSDP flow: rc=$?"
+  }
+  if (( gpus >= 4 )); then
+    sanitize memcheck 0,1 29511 > /tmp/sanitize_memcheck.rc &
+    sanitize racecheck 2,3 29512 > /tmp/sanitize_racecheck.rc &
+    wait
+  else
+    sanitize memcheck 0,1 29511 > /tmp/sanitize_memcheck.rc
+    sanitize racecheck 0,1 29512 > /tmp/sanitize_racecheck.rc
+  fi
+  echo "sanitize finished after ${SECONDS}s"
+  cat /tmp/sanitize_*.rc; [[ -s /tmp/sanitize_memcheck.rc || -s /tmp/sanitize_racecheck.rc ]] && rc=1
+  grep -E "SUMMARY|ok|max|done" "$OUT"/sanitizer_*.log
 fi
 exit $rc

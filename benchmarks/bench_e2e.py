@@ -53,7 +53,7 @@ from torch_odc import balance
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal}
 MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
-    "1b": (2048, 18, 16, 8, 5632, 32000),
+    "1b": (2048, 19, 16, 8, 5632, 32000),  # 1.03e9 parameters
     "tiny": (64, 2, 4, 2, 176, 512),
 }
 H200_BF16_DENSE_FLOPS = 989.4e12
@@ -291,7 +291,7 @@ def calibrate(args, device, nccl_group):
     return agreed
 
 
-def build(args, device, kind):
+def build(args, device, kind, eager_publish=True):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -306,7 +306,7 @@ def build(args, device, kind):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    handle = torch_odc.attach(model) if odc else None
+    handle = torch_odc.attach(model, eager_publish=eager_publish) if odc else None
     return model, handle, sum(p.numel() for p in model.parameters())
 
 
@@ -412,7 +412,9 @@ def uncovered(spans, cover):
 def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost):
     vocab = MODELS[args.model][5]
     odc = cfg.startswith("odc")
-    model, handle, n_params = build(args, device, "odc" if odc else "nccl")
+    # "odc-mini-lazy": shards published at each module's first all-gather instead of up front.
+    model, handle, n_params = build(args, device, "odc" if odc else "nccl",
+                                    eager_publish=not cfg.endswith("-lazy"))
     # Python's cyclic GC pauses one rank at random points (a straggler for everyone under
     # collectives); like torchtitan, collect between minibatches only.
     gc.collect()
@@ -614,7 +616,7 @@ def write_results(results, out, tag):
     with open(os.path.join(out, tag + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
-    print(f"\n{'workload':<13}{'config':<12}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
+    print(f"\n{'workload':<13}{'config':<15}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
           f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
           "  planner micro/mini")
     for w, entry in results["workloads"].items():
@@ -622,9 +624,9 @@ def write_results(results, out, tag):
         for cfg, s in entry["configs"].items():
             mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
             peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
-            bound = entry.get("plan_idle_bound", {}).get(cfg.split("-")[-1].split("#")[0])
+            bound = entry.get("plan_idle_bound", {}).get(cfg.split("#")[0].split("-")[1])
             bound = f"{bound['profiled_minibatch']:.1%}" if bound else "-"
-            print(f"{w:<13}{cfg:<12}{s['tokens_per_s_per_gpu']:>10.0f}"
+            print(f"{w:<13}{cfg:<15}{s['tokens_per_s_per_gpu']:>10.0f}"
                   f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
                   f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
                   f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "

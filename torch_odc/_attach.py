@@ -92,10 +92,14 @@ def _describe_unsupported(param_group) -> str | None:
 class Handle:
     """The attachment of one FSDP2 model to the odc backend; see :func:`attach`."""
 
-    def __init__(self, model, backend, keys: list[_Key], device: torch.device):
+    def __init__(self, model, backend, keys: list[_Key], device: torch.device,
+                 eager_publish: bool = True):
         self.model, self._backend, self._keys, self.device = model, backend, keys, device
         self._publishing = False
         self._attached = True
+        self._eager = eager_publish
+        self._publish_pending = eager_publish  # no forward has run in this minibatch yet
+        self._hook = None
 
     @property
     def keys(self) -> list[str]:
@@ -105,17 +109,9 @@ class Handle:
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
         b = self._backend
-        # (1) Publish every key this rank has not published in this minibatch, through FSDP2's
-        # own unshard() so the shard is exactly what a forward would all-gather. Keys go in the
-        # same order on every rank, so these publish-only gathers cannot wait on each other.
-        self._publishing = True
-        try:
-            for index, key in enumerate(self._keys):
-                if not b._published(index):
-                    key.module.unshard()
-                    key.module.reshard()
-        finally:
-            self._publishing = False
+        # (1) Publish what this rank has not published in this minibatch (a rank that ran no
+        # microbatch, or attached with eager_publish=False).
+        self._publish_unpublished()
         # (2) Wait until every rank has arrived: all pushes into our accumulators have landed.
         b._arrive()
         # (3) Finalize gradients from the accumulators, (4) zero them and start the next epoch.
@@ -125,6 +121,33 @@ class Handle:
                     _finalize(key, b._accumulator(index))
         finally:
             b._release()
+            self._publish_pending = self._eager
+
+    def _publish_unpublished(self) -> None:
+        """Publishes every key this rank has not published in this minibatch, through FSDP2's
+        own unshard() so the shard is exactly what a forward would all-gather (the gather
+        itself is publish-only: it reads no peer). Keys go in the same order on every rank and
+        a publish waits for nobody, so this cannot deadlock."""
+        b = self._backend
+        self._publishing = True
+        try:
+            for index, key in enumerate(self._keys):
+                if not b._published(index):
+                    key.module.unshard()
+                    key.module.reshard()
+        finally:
+            self._publishing = False
+
+    def _pre_forward(self, module, args) -> None:
+        # The first forward of a minibatch publishes every shard up front. Published lazily (at
+        # the owner's own all-gather of each module), a peer's first forward would wait at each
+        # module for the owner to reach it: the first microbatch of every rank would advance
+        # in lockstep with the slowest one, as under collectives (measured on 4 H200: up to
+        # 0.23 s per minibatch on long-context SFT, docs/benchmarks.md).
+        if self._publish_pending and self._attached:
+            self._publish_pending = False
+            with torch.profiler.record_function("odc::publish_all"):
+                self._publish_unpublished()
 
     def stats(self) -> dict:
         return self._backend._stats()
@@ -133,6 +156,9 @@ class Handle:
         """Restores FSDP2's own all-gather and reduce-scatter and releases the engine."""
         if not self._attached:
             return
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         for key in self._keys:
             key.module.set_custom_all_gather(key.prev_all_gather)
             key.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
@@ -178,13 +204,18 @@ def _finalize(key: _Key, accumulator: torch.Tensor) -> None:
         offset += fp.padded_sharded_param_size.numel()
 
 
-def attach(model: torch.nn.Module) -> Handle:
+def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     """Serves every FSDP2 module of `model` on demand through the "odc" backend.
 
     Every rank must call it at the same point, after ``fully_shard``. From then on the ranks
     synchronize only in :func:`minibatch_barrier`, which must be called once per minibatch on
     every rank (before ``optimizer.step()``); between two barriers ranks may run different
     numbers of microbatches (zero included).
+
+    With ``eager_publish`` (the default) the first forward of `model` in each minibatch first
+    publishes this rank's shard of every module (after the optimizer step, before any layer
+    runs), so that peers never wait for this rank to reach a module. With False each shard is
+    published at this rank's own first all-gather of its module.
     """
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -218,7 +249,7 @@ def attach(model: torch.nn.Module) -> Handle:
         )
     group, device = groups.pop(), devices.pop()
     backend = odc_backend(group)
-    handle = Handle(model, backend, entries, device)
+    handle = Handle(model, backend, entries, device, eager_publish)
     reason = _collective_fallback_reason(group, device)
     if reason:
         warnings.warn(
@@ -236,6 +267,8 @@ def attach(model: torch.nn.Module) -> Handle:
     for index, key in enumerate(entries):
         key.module.set_custom_all_gather(_KeyedAllGather(handle, index))
         key.module.set_custom_reduce_scatter(_KeyedReduceScatter(index))
+    # Before FSDP2's own root pre-forward (which may start the root's all-gather).
+    handle._hook = model.register_forward_pre_hook(handle._pre_forward, prepend=True)
     _handles.append(handle)
     return handle
 

@@ -129,7 +129,7 @@ def test_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     """With eager publishing (the default) a rank publishes every shard before its first
     forward of the minibatch, so a peer's first forward waits for nobody; published lazily,
     it waits at the last layer until the slow rank gets there (what eager publish removes)."""
-    (wait0, params0), (wait1, params1) = run_ranks(2, _slow_last_layer_on_rank1, eager)
+    (wait0, params0), (_, params1) = run_ranks(2, _slow_last_layer_on_rank1, eager)
     if eager:
         assert wait0 < 0.5, wait0
     else:
@@ -139,6 +139,50 @@ def test_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     for name, ref in want.items():
         torch.testing.assert_close(params0[name], ref, rtol=0, atol=1e-5, msg=name)
         torch.testing.assert_close(params1[name], ref, rtol=0, atol=1e-5, msg=name)
+
+
+def _step_misuse(rank, world):
+    """optimizer.step() without the barrier, then a forward between barrier and step: both
+    are refused before the step changes anything."""
+    from odc_training import loss_of, samples
+
+    import torch_odc
+
+    model = _sharded(world)
+    handle = torch_odc.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=LR)  # not this model's
+    seq = samples(0, 1)[0]
+    loss_of(model, seq).backward()
+    errors = []
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    try:
+        opt.step()  # forgot the barrier
+    except RuntimeError as err:
+        errors.append(str(err))
+    other.step()  # an optimizer over other parameters is not concerned
+    torch_odc.minibatch_barrier()
+    with torch.no_grad():
+        model(seq[:, :-1])  # a forward before the step publishes the pre-step parameters
+    try:
+        opt.step()
+    except RuntimeError as err:
+        errors.append(str(err))
+    unchanged = all(torch.equal(before[k], v.to_local()) for k, v in model.state_dict().items())
+    torch_odc.minibatch_barrier()
+    opt.step()  # the right order works
+    handle.detach()
+    dist.barrier()
+    return errors, unchanged
+
+
+def test_optimizer_step_out_of_order_is_refused_with_a_clear_error():
+    for rank, (errors, unchanged) in enumerate(run_ranks(2, _step_misuse)):
+        assert len(errors) == 2, errors
+        for err in errors:
+            assert f"rank {rank}" in err and "minibatch_barrier() after" in err, err
+        assert "minibatch 1" in errors[0] and "minibatch 2" in errors[1], errors
+        assert unchanged, "a refused step changed parameters"
 
 
 def _skip_barrier(rank, world):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_odc import _C
 from torch_odc._backend import odc_backend
@@ -100,6 +101,8 @@ class Handle:
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
         self._hook = None
+        self._step_hook = None
+        self._param_ids = {id(p) for p in model.parameters()}
 
     @property
     def keys(self) -> list[str]:
@@ -149,6 +152,27 @@ class Handle:
             with torch.profiler.record_function("odc::publish_all"):
                 self._publish_unpublished()
 
+    def _check_step(self, optimizer, args, kwargs) -> None:
+        # An optimizer step over this model's parameters once this rank has published shards in
+        # the minibatch in progress would leave peers reading the pre-step values (published
+        # shards are not republished within a minibatch): a forward ran between
+        # minibatch_barrier() and step(), or step() ran without the barrier.
+        if not self._attached or not any(
+            id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]
+        ):
+            return
+        b = self._backend
+        published = [k.name for i, k in enumerate(self._keys) if b._published(i)]
+        if published:
+            info = b._stats()
+            raise RuntimeError(
+                f"torch_odc: rank {info['rank']}: optimizer.step() in minibatch "
+                f"{info['minibatch']} after this rank already published its shards of "
+                f"{', '.join(published[:3])}{', ...' if len(published) > 3 else ''} for it: "
+                "call torch_odc.minibatch_barrier() after the minibatch's last backward and "
+                "before optimizer.step(), and run no forward in between"
+            )
+
     def stats(self) -> dict:
         return self._backend._stats()
 
@@ -156,9 +180,10 @@ class Handle:
         """Restores FSDP2's own all-gather and reduce-scatter and releases the engine."""
         if not self._attached:
             return
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._step_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._step_hook = None
         for key in self._keys:
             key.module.set_custom_all_gather(key.prev_all_gather)
             key.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
@@ -269,6 +294,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         key.module.set_custom_reduce_scatter(_KeyedReduceScatter(index))
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hook = model.register_forward_pre_hook(handle._pre_forward, prepend=True)
+    handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)
     _handles.append(handle)
     return handle
 

@@ -33,6 +33,8 @@ if has e2e; then
   # E2E_SPR: sequences per rank to run (default "4 16": 4 measured minibatches at 4, 1 at 16;
   # ~6 and ~8 min on 4 H200, so split them over two calls). E2E_PACK=N packs sequences into
   # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
+  # E2E_WORKLOADS / E2E_CONFIGS pick a subset (configs: nccl-micro odc-mini odc-micro, and
+  # odc-mini-lazy: shards published at first all-gather, not up front).
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
   cal="${E2E_CAL:-}"
   if [[ -z $cal ]]; then
@@ -46,7 +48,7 @@ if has e2e; then
     mb=4; (( spr > 4 )) && mb=1
     parts=()
     for w in ${E2E_WORKLOADS:-long-context rl equal}; do
-      for c in nccl-micro odc-mini odc-micro; do
+      for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do
         tag="p${spr}_${w}_${c}"
         timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/e2e_parts \
           --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \

@@ -117,6 +117,52 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     return full, stats, timeline
 
 
+def slow_peer_first_microbatch(rank, world, eager, device="cpu"):
+    """Two minibatches of one microbatch per rank; in the second, rank 1 sleeps 2 s before its
+    last layer's forward (a long first microbatch). Returns this rank's seconds for its second
+    microbatch (device work included), its publish wait there and the full parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch_odc
+
+    cuda = device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = make_model(False).to(dev)
+    mesh = init_device_mesh(device, (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = torch_odc.attach(model, eager_publish=eager)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # as `reference`
+    elapsed = 0.0
+    for mb in range(2):
+        hook = None
+        if rank == 1 and mb == 1:  # before FSDP2's own pre-forward, which all-gathers the layer
+            hook = model.layers[-1].register_forward_pre_hook(lambda *_: time.sleep(2.0),
+                                                              prepend=True)
+        seqs = samples(mb, world)
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        (loss_of(model, seqs[rank].to(dev)) * world / tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if hook is not None:
+            hook.remove()
+        torch_odc.minibatch_barrier()
+        opt.step()
+        opt.zero_grad()
+    wait = handle.stats()["last"]["publish_wait_s"]
+    full = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
+    handle.detach()
+    dist.barrier()
+    return elapsed, wait, full
+
+
 def join_shards(per_rank):
     """The full parameters from every rank's `train_odc(..., local_shards=True)` result."""
     return {k: torch.cat([r[0][k] for r in per_rank]) for k in per_rank[0][0]}

@@ -6,7 +6,7 @@ Skipped without 2 GPUs; the 4-GPU cases without 4."""
 import pytest
 import torch
 from multiproc import run_ranks
-from odc_training import reference, train_odc
+from odc_training import reference, slow_peer_first_microbatch, train_odc
 
 import torch_odc
 
@@ -53,3 +53,21 @@ def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol, f
                 torch.testing.assert_close(odc[rank][0][name], cpu_ref[name], rtol=0, atol=1e-4)
         stats = odc[rank][1]["total"]
         assert stats["minibatches"] == len(uneven) and stats["bytes_fetched"] > 0
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
+def test_gpu_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
+    """On GPUs the wait for a peer's publish is on the device: with eager publishing rank 0's
+    microbatch (GPU work included) does not wait for rank 1, which sleeps 2 s before its last
+    layer; published lazily it does. Both train like the one-process reference."""
+    results = run_ranks(2, slow_peer_first_microbatch, eager, "cuda", backend="odc", cuda=True)
+    elapsed0 = results[0][0]
+    if eager:
+        assert elapsed0 < 1.0, elapsed0
+    else:
+        assert elapsed0 > 1.8, elapsed0
+    want = reference([[1, 1], [1, 1]], False, LR)
+    for rank in range(2):
+        for name, ref in want.items():
+            torch.testing.assert_close(results[rank][2][name], ref, rtol=0, atol=1e-4,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

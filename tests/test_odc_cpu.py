@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
-from odc_training import join_shards, make_model, profiled_minibatch, reference, train_odc
+from odc_training import (
+    join_shards,
+    make_model,
+    profiled_minibatch,
+    reference,
+    slow_peer_first_microbatch,
+    train_odc,
+)
 
 LR = 0.1
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -92,48 +99,17 @@ def test_fast_rank_does_not_wait_for_a_slow_rank_before_the_barrier():
         torch.testing.assert_close(results[0][0][name], ref, rtol=0, atol=1e-5)
 
 
-def _slow_last_layer_on_rank1(rank, world, eager):
-    """Two minibatches of one microbatch each; in the second, rank 1 sleeps 2 s before its last
-    layer's forward (a long first microbatch). Returns rank 0's publish wait in it."""
-    import time
-
-    from odc_training import loss_of, samples
-
-    import torch_odc
-
-    model = _sharded(world)
-    handle = torch_odc.attach(model, eager_publish=eager)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)  # as the reference
-    for mb in range(2):
-        hook = None
-        if rank == 1 and mb == 1:  # before FSDP2's own pre-forward, which all-gathers the layer
-            hook = model.layers[-1].register_forward_pre_hook(lambda *_: time.sleep(2.0),
-                                                              prepend=True)
-        seqs = samples(mb, world)
-        tokens = sum(s.shape[1] - 1 for s in seqs)
-        (loss_of(model, seqs[rank]) * world / tokens).backward()
-        if hook is not None:
-            hook.remove()
-        torch_odc.minibatch_barrier()
-        opt.step()
-        opt.zero_grad()
-    stats = handle.stats()
-    handle.detach()
-    dist.barrier()
-    return stats["last"]["publish_wait_s"], {k: v.full_tensor() for k, v in
-                                             model.state_dict().items()}
-
-
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
 def test_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     """With eager publishing (the default) a rank publishes every shard before its first
     forward of the minibatch, so a peer's first forward waits for nobody; published lazily,
     it waits at the last layer until the slow rank gets there (what eager publish removes)."""
-    (wait0, params0), (_, params1) = run_ranks(2, _slow_last_layer_on_rank1, eager)
+    results = run_ranks(2, slow_peer_first_microbatch, eager)
+    (elapsed0, wait0, params0), (_, _, params1) = results
     if eager:
-        assert wait0 < 0.5, wait0
+        assert wait0 < 0.5 and elapsed0 < 1.0, (wait0, elapsed0)
     else:
-        assert wait0 > 1.5, wait0
+        assert wait0 > 1.5 and elapsed0 > 1.8, (wait0, elapsed0)
     # Same training either way: both ranks hold the parameters of the single-process reference.
     want = reference([[1, 1], [1, 1]], False, LR)
     for name, ref in want.items():

@@ -298,4 +298,7 @@ def test_odc_operations_are_profiler_ranges():
     for rank_names in names:
         assert {"odc::minibatch_barrier", "odc::barrier_arrive",
                 "odc::barrier_release"} <= set(rank_names), rank_names
+    # Rank 0 ran a forward (eager publish at its first); rank 1 ran none, so it published in
+    # the barrier instead.
+    assert "odc::publish_all" in names[0] and "odc::publish_all" not in names[1], names
 

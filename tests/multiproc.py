@@ -24,6 +24,10 @@ def _worker(rank, world_size, backend, store_path, fn, args, results, device_per
         import torch
         import torch.distributed as dist
 
+        # torch was imported (with this module) before `env` applied: set its intra-op threads
+        # here, or every rank runs OpenMP workers that spin against the other ranks' threads.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
         import torch_odc  # noqa: F401  (registers "odc")
 
         if device_per_rank:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
-# on 2 and (when present) 4 GPUs. Logs and results go to $OUT (default: benchmarks/results).
+# on 2, 4 and 8 GPUs (those present). Logs and results go to $OUT (default: benchmarks/results).
 #   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench sanitize e2e diag; all = tests,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ if has tests; then
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if has bench; then
-  for n in 2 4; do
+  for n in 2 4 8; do
     (( n <= gpus )) || continue
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1

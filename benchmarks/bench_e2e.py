@@ -353,12 +353,29 @@ class SyncReport:
             print("--- no synchronizing operation in the measured minibatches", flush=True)
 
 
-def kernel_breakdown(kernels) -> dict:
-    """Splits a rank's profiled minibatch (kernels with .name and .time_range in us) into busy
-    (compute kernels), blocked in communication (only communication kernels running) and host
-    gap (no kernel: the GPU waiting for the host), over its work window: from its start marker
-    to its end marker (after the last microbatch; the barrier's publish and finalize kernels
-    come later and count as waiting for the slowest rank)."""
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel",
+                "cudaMemcpy", "cudaMemsetAsync")
+
+
+def launch_times(events) -> dict:
+    """Correlation id -> host start time (us) of the CUDA runtime call that launched it (the
+    profiler records these with its CUDA activity; kernels carry the same id)."""
+    return {e.id: e.time_range.start for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)}
+
+
+def kernel_breakdown(kernels, launched=None) -> dict:
+    """Splits a rank's profiled minibatch (kernels with .name, .time_range in us and .id) into
+    busy (compute kernels), blocked (no compute kernel running although the next one was
+    already issued: waiting for communication or another dependency) and host gap (no compute
+    kernel because the host had not issued the next one yet), over its work window: from its
+    start marker to its end marker (after the last microbatch; the barrier's publish and
+    finalize kernels come later and count as waiting for the slowest rank).
+
+    `launched` maps a kernel's id to the host time of its launch (`launch_times`). A gap whose
+    next compute kernel has no known launch, and the gap after the last compute kernel, count
+    as blocked while a communication kernel runs and as host gap otherwise (`comm_only_s` is
+    that rule over the whole window, reported for comparison)."""
     markers = sorted(e.time_range.start for e in kernels if "spin_kernel" in e.name)
     if len(markers) < 2:  # no markers: the window of the compute kernels themselves
         own = [e.time_range for e in kernels if not any(k in e.name for k in COMM_KERNELS)]
@@ -366,8 +383,8 @@ def kernel_breakdown(kernels) -> dict:
             return {}
         markers = [min(r.start for r in own), max(r.end for r in own)]
     start, work_end = markers[0], markers[-1]
-    compute = clipped(kernels, start, work_end,
-                      lambda n: not any(k in n for k in COMM_KERNELS + ("spin_kernel",)))
+    is_compute = lambda n: not any(k in n for k in COMM_KERNELS + ("spin_kernel",))  # noqa: E731
+    compute = clipped(kernels, start, work_end, is_compute)
     if not compute:
         return {}
     busy_us, spans = merged_busy(compute)
@@ -375,11 +392,29 @@ def kernel_breakdown(kernels) -> dict:
                                         lambda n: any(k in n for k in COMM_KERNELS)))
     comm_only_us = uncovered(comm_spans, spans)
     work_us = work_end - start
+    launched = launched or {}
+    firsts = sorted(((max(e.time_range.start, start) - start, e) for e in kernels
+                     if is_compute(e.name) and e.time_range.end > start
+                     and e.time_range.start < work_end), key=lambda x: x[0])
+    gaps, end, known = [], 0.0, 0
+    for begin, e in firsts:  # each gap before a compute kernel, with that kernel
+        if begin > end:
+            gaps.append((end, begin, launched.get(getattr(e, "id", None))))
+        end = max(end, min(e.time_range.end, work_end) - start)
+    gaps.append((end, work_us, None))
+    blocked_us = 0.0
+    for a, b, issued in gaps:
+        if issued is not None:
+            known += 1
+            blocked_us += b - min(max(issued - start, a), b)  # after the issue: a dependency
+        else:
+            blocked_us += (b - a) - uncovered([[a, b]], comm_spans)
     # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
     _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
     return {"busy_s": busy_us / 1e6, "work_span_s": work_us / 1e6,
-            "comm_only_s": comm_only_us / 1e6,
-            "host_gap_s": (work_us - busy_us - comm_only_us) / 1e6,
+            "comm_only_s": comm_only_us / 1e6, "blocked_in_work_s": blocked_us / 1e6,
+            "gaps_with_launch_time": known, "gaps": len(gaps),
+            "host_gap_s": (work_us - busy_us - blocked_us) / 1e6,
             "busy_spans_ms": [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
                               for s, e in coarse]}
 
@@ -502,10 +537,13 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                "per_micro": [[n, round(e[0].elapsed_time(e[1]), 2) if e else None,
                               round(h * 1e3, 2)] for n, e, h in marks]}
         if prof is not None:
-            row.update(kernel_breakdown([e for e in prof.events()
-                                         if e.device_type == torch.autograd.DeviceType.CUDA]))
+            events = prof.events()
+            row.update(kernel_breakdown(
+                [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA],
+                launch_times(events)))
         else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
-            row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0, host_gap_s=0.0)
+            row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0,
+                       blocked_in_work_s=0.0, host_gap_s=0.0)
         if profiled:
             prof_row = row
         else:
@@ -541,8 +579,13 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
     # The issue's idle: time blocked in communication or in the barrier (after the rank's own
     # work, waiting for the slowest), over wall time. The rest of the non-compute time is the
     # GPU waiting for the host (host_gap).
-    blocked = [(last_wall - r["profiled"].get("work_span_s", last_wall)
-                + r["profiled"].get("comm_only_s", 0.0)) / last_wall for r in per_rank]
+    tail = [last_wall - r["profiled"].get("work_span_s", last_wall) for r in per_rank]
+    blocked = [(t + r["profiled"].get("blocked_in_work_s", r["profiled"].get("comm_only_s", 0.0)))
+               / last_wall for t, r in zip(tail, per_rank)]
+    # The earlier rule (blocked = only communication kernels running), for comparison: it also
+    # counts a communication kernel that runs while the GPU waits for the host.
+    comm_only = [(t + r["profiled"].get("comm_only_s", 0.0)) / last_wall
+                 for t, r in zip(tail, per_rank)]
     host_gap = [r["profiled"].get("host_gap_s", 0.0) / last_wall for r in per_rank]
     return {
         "tokens_per_s_per_gpu": tokens / wall / world,
@@ -554,6 +597,8 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "idle_fraction_mean": float(np.mean(idle)),
         "blocked_fraction_per_rank": blocked,
         "blocked_fraction_mean": float(np.mean(blocked)),
+        "blocked_comm_only_rule_fraction_mean": float(np.mean(comm_only)),
+        "gaps_with_launch_time": [r["profiled"].get("gaps_with_launch_time") for r in per_rank],
         "host_gap_fraction_mean": float(np.mean(host_gap)),
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
         # The ODC region (caches, accumulators) is allocated outside torch's allocator.

@@ -95,6 +95,41 @@ def test_kernel_breakdown_splits_busy_blocked_and_host_gap():
     assert abs(b["host_gap_s"] - 210e-6) < 1e-12  # 200 idle + the start marker's 10
 
 
+def test_kernel_breakdown_with_launch_times_tells_dependency_waits_from_host_waits():
+    """A gap before a compute kernel is blocked from the moment that kernel was issued (it
+    waited for something else, e.g. communication), host gap before; with no launch time the
+    communication-only rule applies."""
+    from types import SimpleNamespace
+
+    from bench_e2e import kernel_breakdown
+
+    def k(name, s, e, i):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=s, end=e), id=i)
+
+    kernels = [
+        k("spin_kernel", 0, 10, 1),
+        k("gemm", 10, 110, 2),
+        k("odcPushKernel", 110, 400, 3),   # runs through both gaps below
+        k("gemm", 300, 400, 4),            # gap 110..300, issued at 250: 140 host + 50 blocked
+        k("gemm", 600, 700, 5),            # gap 400..600, issued at 100: all 200 blocked
+        k("flash_fwd", 800, 900, 6),       # gap 700..800, no launch time, no comm: host gap
+        k("spin_kernel", 1000, 1001, 7),   # gap 900..1000 after the last compute: host gap
+    ]
+    launched = {2: 5.0, 4: 250.0, 5: 100.0}
+    b = kernel_breakdown(kernels, launched)
+    assert abs(b["busy_s"] - 400e-6) < 1e-12 and abs(b["work_span_s"] - 1000e-6) < 1e-12
+    # Gaps: 0..10 (the start marker; the first gemm issued at 5): 5 host + 5 blocked;
+    # 110..300: 140 host + 50 blocked; 400..600: 200 blocked; 700..800: 100 host; 900..1000: 100
+    # host.
+    assert abs(b["blocked_in_work_s"] - 255e-6) < 1e-12, b
+    assert abs(b["host_gap_s"] - 345e-6) < 1e-12, b
+    assert b["gaps_with_launch_time"] == 3 and b["gaps"] == 5, b
+    # Without launch times: only the push's uncovered time (110..300) counts as blocked.
+    b = kernel_breakdown(kernels)
+    assert abs(b["blocked_in_work_s"] - 190e-6) < 1e-12, b
+    assert abs(b["comm_only_s"] - 190e-6) < 1e-12, b
+
+
 def test_kernel_breakdown_without_markers_uses_the_compute_window():
     from types import SimpleNamespace
 

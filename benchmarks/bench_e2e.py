@@ -383,7 +383,10 @@ def kernel_breakdown(kernels, launched=None) -> dict:
             return {}
         markers = [min(r.start for r in own), max(r.end for r in own)]
     start, work_end = markers[0], markers[-1]
-    is_compute = lambda n: not any(k in n for k in COMM_KERNELS + ("spin_kernel",))  # noqa: E731
+
+    def is_compute(name):
+        return not any(k in name for k in COMM_KERNELS + ("spin_kernel",))
+
     compute = clipped(kernels, start, work_end, is_compute)
     if not compute:
         return {}

@@ -214,22 +214,14 @@ class CostModel(tuple):
         return f"{self.dense_rate:.10g},{self.attn_rate:.10g},{self.floor:.10g}"
 
 
-def _flops_terms(length: int, n_params: float, layers: int, dim: int):
-    x = float(length)
-    return 6.0 * n_params * x, 6.0 * layers * dim * x * x
-
-
 def time_cost(model: CostModel, n_params: float, layers: int, dim: int, pack_tokens: int = 1):
-    """Seconds of one sequence under `model` (fitted by `calibrate`): GPU time at the measured
-    rates plus the per-microbatch floor (the host and fixed GPU time every microbatch pays:
-    issuing 18 layers of forward, recompute and backward with FSDP2's hooks, the first and last
-    layers' communication). A sequence that shares a packed microbatch pays its token share of
-    the floor."""
-    def cost(length):
-        dense, attn = _flops_terms(length, n_params, layers, dim)
-        share = 1.0 if pack_tokens <= 1 else min(1.0, length / pack_tokens)
-        return dense / model.dense_rate + attn / model.attn_rate + model.floor * share
-    return cost
+    """Seconds of one sequence under `model` (fitted by `calibrate`), as the library's
+    `balance.TimeCost`: GPU time at the measured rates plus the per-microbatch floor (the host
+    and fixed GPU time every microbatch pays: issuing every layer's forward, recompute and
+    backward with FSDP2's hooks). A sequence that shares a packed microbatch pays its token
+    share of the floor."""
+    return balance.TimeCost(model.floor, model.dense_rate, model.attn_rate, n_params, layers,
+                            dim, max(1, pack_tokens))
 
 
 def calibration_lengths(scale: float = 1.0):
@@ -240,19 +232,9 @@ def calibration_lengths(scale: float = 1.0):
 
 
 def fit_cost(samples, n_params: float, layers: int, dim: int) -> CostModel:
-    """Least-squares fit of the CostModel to (length, seconds) samples, in relative error so
-    short sequences count as much as long ones."""
-    terms = np.array([_flops_terms(n, n_params, layers, dim) for n, _ in samples])
-    secs = np.array([t for _, t in samples])
-    a = np.column_stack([np.ones(len(secs)), terms]) / secs[:, None]
-    (floor, per_dense, per_attn), *_ = np.linalg.lstsq(a, np.ones(len(secs)), rcond=None)
-    if per_dense <= 0 or per_attn <= 0:  # degenerate (e.g. a CPU smoke test): one rate
-        a = np.column_stack([np.ones(len(secs)), terms.sum(axis=1)]) / secs[:, None]
-        (floor, per_dense), *_ = np.linalg.lstsq(a, np.ones(len(secs)), rcond=None)
-        if per_dense <= 0:
-            per_dense, floor = float(np.max(secs / terms.sum(axis=1))), 0.0
-        per_attn = per_dense
-    return CostModel(1.0 / per_dense, 1.0 / per_attn, max(0.0, float(floor)))
+    """`balance.TimeCost.fit` (least squares in relative error) as a CostModel."""
+    t = balance.TimeCost.fit(samples, num_params=n_params, num_layers=layers, hidden_size=dim)
+    return CostModel(t.dense_flops_per_s, t.attention_flops_per_s, t.floor_s)
 
 
 def calibrate(args, device, nccl_group):

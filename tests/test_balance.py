@@ -120,6 +120,14 @@ def test_oversized_sequence_warns_and_sits_alone():
         balance.plan([10, 20, 30], 2, 100)
 
 
+def test_a_cap_of_one_token_means_one_sequence_per_microbatch_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = balance.plan([5, 300, 40, 7000, 2], 2, 1, mode="mini", cost="flops")
+        balance.BalancedBatchSampler([5, 300, 40, 7000], 2, 0, 4, 1)
+    assert sorted(len(mb) for r in p.microbatches for mb in r) == [1] * 5
+
+
 def test_fewer_sequences_than_ranks():
     mini = balance.plan([5, 3], 4, 10, mode="mini")
     assert sorted(len(r) for r in mini.microbatches) == [0, 0, 1, 1]
@@ -348,3 +356,58 @@ def test_sampler_validates_its_arguments():
         balance.BalancedBatchSampler([1, 0, 3], 2, 0, 2, 10)
     with pytest.warns(balance.OversizedSequenceWarning):
         balance.BalancedBatchSampler([1, 20, 3], 2, 0, 2, 10)
+
+
+def test_time_cost_fit_recovers_floor_and_rates():
+    """TimeCost.fit on exact timings returns the model that made them; on timings of one rate
+    it falls back to one rate; packed sequences pay their token share of the floor."""
+    want = balance.TimeCost(0.17, 7.1e14, 2.5e14, 1.03e9, 19, 2048)
+    lengths = [509, 1021, 2039, 3067, 4093, 6143, 8191, 12281, 16381, 24571, 32749, 49139]
+    got = balance.TimeCost.fit([(n, want(n)) for n in lengths], num_params=1.03e9,
+                               num_layers=19, hidden_size=2048)
+    assert got.floor_s == pytest.approx(0.17, rel=1e-6)
+    assert got.dense_flops_per_s == pytest.approx(7.1e14, rel=1e-6)
+    assert got.attention_flops_per_s == pytest.approx(2.5e14, rel=1e-6)
+    one = balance.TimeCost.fit([(n, 1e-9 * n) for n in (10, 20)], num_params=1.0,
+                               num_layers=1, hidden_size=1)
+    assert one.dense_flops_per_s == one.attention_flops_per_s
+    assert one(15) == pytest.approx(balance.flops_cost(15, num_params=1.0, num_layers=1,
+                                                       hidden_size=1) / one.dense_flops_per_s
+                                    + one.floor_s)
+    packed = balance.TimeCost(0.2, 1e14, 1e14, 1e9, 1, 1, max_tokens_per_microbatch=1000)
+    assert packed(250) - balance.TimeCost(0.0, 1e14, 1e14, 1e9, 1, 1)(250) == pytest.approx(0.05)
+
+
+def test_time_cost_floor_changes_the_plan():
+    """One sequence per microbatch: a FLOPs-only cost gives the rank with the shorter long
+    sequence every short one; with the per-microbatch floor that rank is the straggler, and
+    the plan made with the floor is much shorter (both judged by the floored model)."""
+    lengths = [12000, 6000] + [750] * 8
+    flops = balance.TimeCost(0.0, 1e14, 1e14, 1e9, 16, 2048)
+    floored = balance.TimeCost(0.2, 1e14, 1e14, 1e9, 16, 2048)
+    by_flops = balance.plan(lengths, 2, 1, mode="mini", cost=flops)
+    by_time = balance.plan(lengths, 2, 1, mode="mini", cost=floored)
+
+    def makespan(p):
+        return max(sum(floored(lengths[i]) for mb in r for i in mb) for r in p.microbatches)
+
+    assert sorted(len(r) for r in by_flops.microbatches) == [1, 9]
+    assert makespan(by_time) < 0.8 * makespan(by_flops), (makespan(by_time), makespan(by_flops))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"floor_s": -1.0}, ValueError),
+        ({"dense_flops_per_s": 0.0}, ValueError),
+        ({"num_layers": float("inf")}, ValueError),
+        ({"hidden_size": "1"}, TypeError),
+    ],
+)
+def test_time_cost_validates(kwargs, error):
+    args = {"floor_s": 0.1, "dense_flops_per_s": 1e14, "attention_flops_per_s": 1e14,
+            "num_params": 1e9, "num_layers": 1, "hidden_size": 1, **kwargs}
+    with pytest.raises(error):
+        balance.TimeCost(**args)
+    with pytest.raises(ValueError):
+        balance.TimeCost.fit([(0, 1.0)], num_params=1, num_layers=1, hidden_size=1)

@@ -31,6 +31,7 @@ __all__ = [
     "BalancedBatchSampler",
     "OversizedSequenceWarning",
     "Plan",
+    "TimeCost",
     "flops_cost",
     "plan",
 ]
@@ -96,6 +97,95 @@ def flops_cost(
     m = 6.0 if training else 2.0
     x = float(length)
     return m * (num_params * x + num_layers * hidden_size * x * x)
+
+
+@dataclass(frozen=True)
+class TimeCost:
+    """Modeled seconds of one training sequence: a cost for :func:`plan` fitted to timings.
+
+    ``floor_s + 6 N L / dense_flops_per_s + 6 num_layers hidden_size L**2 /
+    attention_flops_per_s`` (the two terms of :func:`flops_cost` at their own measured rates).
+    The floor is what every microbatch pays whatever its length: issuing every layer's forward,
+    recompute and backward from the host, and fixed device work. On 4 H200 with a 1B model it
+    was ~170 ms (docs/benchmarks.md), as much as 5K tokens of compute; a FLOPs-only cost then
+    hands one rank many short microbatches and makes LB-Mini slower than LB-Micro. With
+    ``max_tokens_per_microbatch > 1`` (packed microbatches) a sequence pays its token share of
+    the floor. Fit one with :meth:`fit`.
+    """
+
+    floor_s: float
+    dense_flops_per_s: float
+    attention_flops_per_s: float
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    max_tokens_per_microbatch: int = 1
+
+    def __post_init__(self):
+        for name in ("dense_flops_per_s", "attention_flops_per_s", "num_params", "num_layers",
+                     "hidden_size", "max_tokens_per_microbatch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"TimeCost.{name} must be a number, got {v!r}")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"TimeCost.{name} must be positive and finite, got {v!r}")
+        if not (isinstance(self.floor_s, numbers.Real) and math.isfinite(self.floor_s)
+                and self.floor_s >= 0):
+            raise ValueError(f"TimeCost.floor_s must be finite and >= 0, got {self.floor_s!r}")
+
+    def _terms(self, length: float) -> tuple[float, float]:
+        return (6.0 * self.num_params * length,
+                6.0 * self.num_layers * self.hidden_size * length * length)
+
+    def __call__(self, length: int) -> float:
+        dense, attention = self._terms(float(length))
+        share = min(1.0, length / self.max_tokens_per_microbatch)
+        return (self.floor_s * share + dense / self.dense_flops_per_s
+                + attention / self.attention_flops_per_s)
+
+    @classmethod
+    def fit(cls, samples, *, num_params: float, num_layers: int, hidden_size: int,
+            max_tokens_per_microbatch: int = 1) -> TimeCost:
+        """Least squares in relative error (short sequences count as much as long ones) over
+        ``samples``: ``(length, seconds)`` of sequences each timed alone in a microbatch, from
+        issue to device completion, at lengths the process has not run before (first use of a
+        shape costs extra host time, and real data keeps bringing new lengths). With fewer than
+        3 samples or a degenerate fit, one rate for both terms."""
+        pts = [(float(n), float(t)) for n, t in samples]
+        if not pts or any(n < 1 or not (math.isfinite(t) and t > 0) for n, t in pts):
+            raise ValueError("samples must be (length >= 1, seconds > 0) pairs, at least one")
+        probe = cls(0.0, 1.0, 1.0, num_params, num_layers, hidden_size)
+        rows = [(1.0, *probe._terms(n), t) for n, t in pts]
+
+        def solve(columns):  # minimise sum((row . x) / t - 1)^2 over the given columns
+            a = [[r[c] / r[3] for c in columns] for r in rows]
+            k = len(columns)
+            m = [[sum(x[i] * x[j] for x in a) for j in range(k)] + [sum(x[i] for x in a)]
+                 for i in range(k)]
+            for i in range(k):  # Gaussian elimination with partial pivoting
+                p = max(range(i, k), key=lambda r: abs(m[r][i]))
+                if abs(m[p][i]) < 1e-300:
+                    return None
+                m[i], m[p] = m[p], m[i]
+                for r in range(k):
+                    if r != i:
+                        f = m[r][i] / m[i][i]
+                        m[r] = [x - f * y for x, y in zip(m[r], m[i])]
+            return [m[i][k] / m[i][i] for i in range(k)]
+
+        x = solve((0, 1, 2)) if len(rows) >= 3 else None
+        if x is not None and x[1] > 0 and x[2] > 0:
+            floor, per_dense, per_attention = x
+        else:  # one rate: cost = floor + (dense + attention) / rate
+            rows = [(1.0, r[1] + r[2], 0.0, r[3]) for r in rows]
+            x = solve((0, 1)) if len(rows) >= 2 else None
+            if x is not None and x[1] > 0:
+                floor, per_dense = x
+            else:
+                floor, per_dense = 0.0, max(r[3] / r[1] for r in rows)
+            per_attention = per_dense
+        return cls(max(0.0, floor), 1.0 / per_dense, 1.0 / per_attention, num_params,
+                   num_layers, hidden_size, max_tokens_per_microbatch)
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -222,7 +312,8 @@ def plan(
             tensor).
         world_size: number of ranks.
         max_tokens_per_microbatch: token cap of a microbatch. A longer sequence gets a microbatch
-            of its own and an :class:`OversizedSequenceWarning` is issued.
+            of its own and an :class:`OversizedSequenceWarning` is issued, except with a cap of
+            1, which asks for one sequence per microbatch.
         mode: ``"mini"`` (balance each rank's total) or ``"micro"`` (same number of microbatches
             on every rank, each microbatch index balanced across ranks).
         cost: ``"tokens"`` (cost = L), ``"flops"`` (see :func:`flops_cost`; ``cost_args`` may set
@@ -249,7 +340,7 @@ def plan(
     mode = _check_mode(mode)
     costs = _cost_array(lens, cost, cost_args)
     result = _plan_arrays(lens, costs, world_size, cap, mode)
-    if result.oversized:
+    if result.oversized and cap > 1:  # a cap of 1: one sequence per microbatch, on purpose
         _warn_oversized(len(result.oversized), cap, stacklevel=2)
     return result
 
@@ -319,7 +410,7 @@ class BalancedBatchSampler:
         self.epoch = 0
         self.last_plan: Plan | None = None
         oversized = sum(1 for x in self._lengths if x > self.max_tokens_per_microbatch)
-        if oversized:
+        if oversized and self.max_tokens_per_microbatch > 1:
             _warn_oversized(oversized, self.max_tokens_per_microbatch, stacklevel=2)
 
     def set_epoch(self, epoch: int) -> None:

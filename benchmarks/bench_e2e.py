@@ -348,16 +348,17 @@ def launch_times(events) -> dict:
 
 def kernel_breakdown(kernels, launched=None) -> dict:
     """Splits a rank's profiled minibatch (kernels with .name, .time_range in us and .id) into
-    busy (compute kernels), blocked (no compute kernel running although the next one was
-    already issued: waiting for communication or another dependency) and host gap (no compute
-    kernel because the host had not issued the next one yet), over its work window: from its
-    start marker to its end marker (after the last microbatch; the barrier's publish and
-    finalize kernels come later and count as waiting for the slowest rank).
+    busy (compute kernels), blocked in communication (no compute kernel running, a
+    communication kernel running, and the next compute kernel already issued by the host) and
+    host gap (the rest: the host had not issued the next compute kernel yet, or launch gaps),
+    over its work window: from its start marker to its end marker (after the last microbatch;
+    the barrier's publish and finalize kernels come later and count as waiting for the slowest
+    rank).
 
-    `launched` maps a kernel's id to the host time of its launch (`launch_times`). A gap whose
-    next compute kernel has no known launch, and the gap after the last compute kernel, count
-    as blocked while a communication kernel runs and as host gap otherwise (`comm_only_s` is
-    that rule over the whole window, reported for comparison)."""
+    `launched` maps a kernel's id to the host time of its launch (`launch_times`). Without it
+    (and for the gap after the last compute kernel) blocked is all communication-only time
+    (`comm_only_s`, reported for comparison), which also counts a push or gather that runs
+    while the GPU waits for the host."""
     markers = sorted(e.time_range.start for e in kernels if "spin_kernel" in e.name)
     if len(markers) < 2:  # no markers: the window of the compute kernels themselves
         own = [e.time_range for e in kernels if not any(k in e.name for k in COMM_KERNELS)]
@@ -389,11 +390,11 @@ def kernel_breakdown(kernels, launched=None) -> dict:
     gaps.append((end, work_us, None))
     blocked_us = 0.0
     for a, b, issued in gaps:
+        lo = a  # blocked: communication running, the next compute kernel already issued
         if issued is not None:
             known += 1
-            blocked_us += b - min(max(issued - start, a), b)  # after the issue: a dependency
-        else:
-            blocked_us += (b - a) - uncovered([[a, b]], comm_spans)
+            lo = min(max(issued - start, a), b)
+        blocked_us += (b - lo) - uncovered([[lo, b]], comm_spans)
     # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
     _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
     return {"busy_s": busy_us / 1e6, "work_span_s": work_us / 1e6,

@@ -95,10 +95,10 @@ def test_kernel_breakdown_splits_busy_blocked_and_host_gap():
     assert abs(b["host_gap_s"] - 210e-6) < 1e-12  # 200 idle + the start marker's 10
 
 
-def test_kernel_breakdown_with_launch_times_tells_dependency_waits_from_host_waits():
-    """A gap before a compute kernel is blocked from the moment that kernel was issued (it
-    waited for something else, e.g. communication), host gap before; with no launch time the
-    communication-only rule applies."""
+def test_kernel_breakdown_with_launch_times_tells_communication_waits_from_host_waits():
+    """Communication running with no compute is blocked only from the moment the next compute
+    kernel was issued (before that the GPU waited for the host); with no launch time, all of
+    it is blocked (the communication-only rule)."""
     from types import SimpleNamespace
 
     from bench_e2e import kernel_breakdown
@@ -109,25 +109,23 @@ def test_kernel_breakdown_with_launch_times_tells_dependency_waits_from_host_wai
     kernels = [
         k("spin_kernel", 0, 10, 1),
         k("gemm", 10, 110, 2),
-        k("odcPushKernel", 110, 400, 3),   # runs through both gaps below
-        k("gemm", 300, 400, 4),            # gap 110..300, issued at 250: 140 host + 50 blocked
-        k("gemm", 600, 700, 5),            # gap 400..600, issued at 100: all 200 blocked
-        k("flash_fwd", 800, 900, 6),       # gap 700..800, no launch time, no comm: host gap
-        k("spin_kernel", 1000, 1001, 7),   # gap 900..1000 after the last compute: host gap
+        k("odcPushKernel", 110, 300, 3),   # alone from 110 to 300
+        k("gemm", 300, 400, 4),            # issued at 250: 110..250 host, 250..300 blocked
+        k("odcGatherKernel", 400, 500, 5),
+        k("gemm", 600, 700, 6),            # issued at 100: 400..500 blocked, 500..600 host
+        k("ncclKernel", 700, 750, 7),
+        k("flash_fwd", 800, 900, 8),       # no launch time: 700..750 blocked, 750..800 host
+        k("spin_kernel", 1000, 1001, 9),   # 900..1000 after the last compute: host gap
     ]
-    launched = {2: 5.0, 4: 250.0, 5: 100.0}
+    launched = {2: 5.0, 4: 250.0, 6: 100.0}
     b = kernel_breakdown(kernels, launched)
     assert abs(b["busy_s"] - 400e-6) < 1e-12 and abs(b["work_span_s"] - 1000e-6) < 1e-12
-    # Gaps: 0..10 (the start marker; the first gemm issued at 5): 5 host + 5 blocked;
-    # 110..300: 140 host + 50 blocked; 400..600: 200 blocked; 700..800: 100 host; 900..1000: 100
-    # host.
-    assert abs(b["blocked_in_work_s"] - 255e-6) < 1e-12, b
-    assert abs(b["host_gap_s"] - 345e-6) < 1e-12, b
+    assert abs(b["blocked_in_work_s"] - 200e-6) < 1e-12, b   # 50 + 100 + 50
+    assert abs(b["host_gap_s"] - 400e-6) < 1e-12, b          # 10 + 140 + 100 + 50 + 100
+    assert abs(b["comm_only_s"] - 340e-6) < 1e-12, b         # 190 + 100 + 50
     assert b["gaps_with_launch_time"] == 3 and b["gaps"] == 5, b
-    # Without launch times: only the push's uncovered time (110..300) counts as blocked.
-    b = kernel_breakdown(kernels)
-    assert abs(b["blocked_in_work_s"] - 190e-6) < 1e-12, b
-    assert abs(b["comm_only_s"] - 190e-6) < 1e-12, b
+    b = kernel_breakdown(kernels)  # no launch times: the communication-only rule
+    assert abs(b["blocked_in_work_s"] - 340e-6) < 1e-12, b
 
 
 def test_kernel_breakdown_without_markers_uses_the_compute_window():

@@ -783,8 +783,13 @@ def main():
                 summary["timeline"] = [r["profiled"].get("busy_spans_ms") for r in per_rank]
                 entry["configs"][cfg] = summary
                 entry["n_params"] = out["n_params"]
+                launch = [r["profiled"].get("gaps_with_launch_time") for r in per_rank]
+                gaps = [r["profiled"].get("gaps") for r in per_rank]
                 print(f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
-                      f"{summary['idle_fraction_mean']:.1%}", flush=True)
+                      f"{summary['idle_fraction_mean']:.1%}, blocked "
+                      f"{summary['blocked_fraction_mean']:.1%} (communication-only rule "
+                      f"{summary['blocked_comm_only_rule_fraction_mean']:.1%}; gaps with a "
+                      f"launch time per rank {launch} of {gaps})", flush=True)
                 for r, pr in enumerate(per_rank):  # the last minibatch, per rank
                     last = pr["rows"][-1]
                     gpu = sum(m[1] or 0 for m in last["per_micro"])

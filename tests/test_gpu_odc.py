@@ -63,7 +63,7 @@ def test_gpu_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     results = run_ranks(2, slow_peer_first_microbatch, eager, "cuda", backend="odc", cuda=True)
     elapsed0 = results[0][0]
     if eager:
-        assert elapsed0 < 1.0, elapsed0
+        assert elapsed0 < 1.5, elapsed0  # rank 1 sleeps 2 s
     else:
         assert elapsed0 > 1.8, elapsed0
     want = reference([[1, 1], [1, 1]], False, LR)

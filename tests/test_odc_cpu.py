@@ -107,7 +107,7 @@ def test_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     results = run_ranks(2, slow_peer_first_microbatch, eager)
     (elapsed0, wait0, params0), (_, _, params1) = results
     if eager:
-        assert wait0 < 0.5 and elapsed0 < 1.0, (wait0, elapsed0)
+        assert wait0 < 1.0 and elapsed0 < 1.5, (wait0, elapsed0)  # rank 1 sleeps 2 s
     else:
         assert wait0 > 1.5 and elapsed0 > 1.8, (wait0, elapsed0)
     # Same training either way: both ranks hold the parameters of the single-process reference.

@@ -63,6 +63,24 @@ def reference(plan: list[list[int]], root_without_params: bool, lr: float) -> di
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def sharded_model(world, device="cpu", root_without_params=False, **fsdp_kwargs):
+    """The test model on `device`, each decoder layer and the root under fully_shard over a 1-D
+    mesh of `world` ranks (the inner decoder too when the root owns no parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else (
+        torch.device("cpu"))
+    model = make_model(root_without_params).to(dev)
+    kwargs = {"mesh": init_device_mesh(device, (world,)), **fsdp_kwargs}
+    decoder = model.inner if root_without_params else model
+    for layer in decoder.layers:
+        fully_shard(layer, **kwargs)
+    if root_without_params:
+        fully_shard(decoder, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
 def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
               sleep_in=None, device="cpu", attach=True, local_shards=False):
     """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
@@ -71,24 +89,15 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     the same number of microbatches). Returns the full parameters (an all-gather), or with
     local_shards=True this rank's dim-0 shards, no collective (join them with `join_shards`)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import torch_odc
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else (
-        torch.device("cpu"))
-    model = make_model(root_without_params).to(dev)
-    mesh = init_device_mesh(device, (world,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
-    decoder = model.inner if root_without_params else model
-    for layer in decoder.layers:
-        fully_shard(layer, **kwargs)
-    if root_without_params:
-        fully_shard(decoder, **kwargs)
-    fully_shard(model, **kwargs)
+    model = sharded_model(world, device, root_without_params, **kwargs)
+    dev = next(model.parameters()).device
     handle = torch_odc.attach(model) if attach else None
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     timeline = []
@@ -122,18 +131,12 @@ def slow_peer_first_microbatch(rank, world, eager, device="cpu"):
     last layer's forward (a long first microbatch). Returns this rank's seconds for its second
     microbatch (device work included), its publish wait there and the full parameters."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import torch_odc
 
     cuda = device == "cuda"
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model = make_model(False).to(dev)
-    mesh = init_device_mesh(device, (world,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(world, device)
+    dev = next(model.parameters()).device
     handle = torch_odc.attach(model, eager_publish=eager)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # as `reference`
     elapsed = 0.0
@@ -172,16 +175,10 @@ def profiled_minibatch(rank, world, counts):
     """One ODC minibatch under the PyTorch profiler (CPU activities); returns the names of the
     ``odc::`` ranges it recorded."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import torch_odc
 
-    model = make_model(False)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(world)
     handle = torch_odc.attach(model)
     seqs = split(counts, samples(0, sum(counts)))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -14,6 +14,7 @@ from odc_training import (
     make_model,
     profiled_minibatch,
     reference,
+    sharded_model,
     slow_peer_first_microbatch,
     train_odc,
 )
@@ -124,7 +125,7 @@ def _step_misuse(rank, world):
 
     import torch_odc
 
-    model = _sharded(world)
+    model = sharded_model(world)
     handle = torch_odc.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=LR)  # not this model's
@@ -168,7 +169,7 @@ def _skip_barrier(rank, world):
 
     import torch_odc
 
-    model = _sharded(world)
+    model = sharded_model(world)
     torch_odc.attach(model)
     seq = samples(0, 1)[0]
     loss_of(model, seq).backward()
@@ -180,17 +181,6 @@ def _skip_barrier(rank, world):
     except RuntimeError as err:
         return str(err)
     return "no error"
-
-
-def _sharded(world, **kwargs):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model(False)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, **kwargs)
-    return fully_shard(model, mesh=mesh, **kwargs)
 
 
 def test_a_rank_that_skips_the_barrier_is_named_after_the_timeout():
@@ -205,7 +195,7 @@ def _gather_from_absent_peer(rank, world):
 
     import torch_odc
 
-    model = _sharded(world)
+    model = sharded_model(world)
     torch_odc.attach(model)
     if rank == 1:
         time.sleep(8)  # never runs a forward: never publishes
@@ -229,8 +219,7 @@ def _wrong_calls(rank, world):
     import torch_odc
     from torch_odc import _C
 
-    _sharded(world)
-    model = _sharded(world)
+    model = sharded_model(world)
     handle = torch_odc.attach(model)
     numel = handle._keys[0].numel
     errors = {}

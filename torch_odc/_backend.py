@@ -56,7 +56,7 @@ def odc_backend(group=None) -> _C.OdcBackend:
     device = torch.device("cpu")
     backend = pg._get_backend(device)
     if not isinstance(backend, _C.OdcBackend):
-        raise RuntimeError(
+        raise RuntimeError(  # noqa: TRY004 -- a misconfigured group, not a bad argument
             f"torch_odc: the process group's backend is {type(backend).__name__}, not odc. "
             'Initialize with dist.init_process_group(backend="odc") and do not set '
             "TORCH_DISTRIBUTED_DEBUG=DETAIL (its wrapper hides the backend)."

@@ -60,16 +60,23 @@ def _sources(with_cuda):
     return [os.path.relpath(p, ROOT) for p in found]
 
 
+# C++20 everywhere: torch 2.15's headers require it (`#error C++20 or later compatible compiler is
+# required to use ATen`), and torch 2.11's headers, g++ 12 and nvcc 13 accept it.
+CXX_STD = "-std=c++20"
+# sm_90 machine code plus compute_90 PTX, which the driver JIT-compiles for newer GPUs.
+CUDA_ARCH = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+
+
 def _extension():
     with_cuda = _with_cuda()
-    cxx = ["-O2", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+    cxx = ["-O2", CXX_STD, "-Wall", "-Wno-unused-parameter"]
     macros = []
     kwargs = {}
     if with_cuda:
         macros.append(("ODC_WITH_CUDA", "1"))
         kwargs["extra_compile_args"] = {
             "cxx": cxx,
-            "nvcc": ["-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90"],
+            "nvcc": ["-O3", CXX_STD, *CUDA_ARCH],
         }
         ext_cls = CUDAExtension
     else:
@@ -91,6 +98,12 @@ class _BuildExtension(BuildExtension):
     """Links without -Bsymbolic-functions (added by some Pythons' LDSHARED): with it, the weak
     libstdc++ template copies a newer compiler emits into our .so bind to themselves instead of the
     loaded libstdc++, and a header/runtime mismatch then crashes inside iostreams."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        # One object directory per torch build, so that switching between the virtual environments
+        # of two torch lines (.ci/run tests both) relinks instead of recompiling everything.
+        self.build_temp = os.path.join(ROOT, "build", f"temp-torch-{torch.__version__}")
 
     def build_extensions(self):
         linker = self.compiler.linker_so

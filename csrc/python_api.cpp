@@ -1,8 +1,9 @@
 // The one pybind11 binding layer of torch-odc. Every C++ symbol Python sees is bound here.
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <pybind11/chrono.h>
 #include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "backend/odc_backend.h"
 #include "balance/planner.h"
@@ -93,12 +94,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "_connect_engine",
           [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
+            // (name, shard numel, gather dtype, per-parameter gradient numels, accum dtype)
             std::vector<torch_odc::KeySpec> specs;
             for (const auto& k : keys) {
-              specs.push_back(torch_odc::KeySpec{
-                  k[0].cast<std::string>(), k[1].cast<size_t>(),
-                  dtypeFromName(k[2].cast<std::string>()), k[3].cast<size_t>(),
-                  dtypeFromName(k[4].cast<std::string>())});
+              specs.push_back(torch_odc::KeySpec{k[0].cast<std::string>(), k[1].cast<size_t>(),
+                                                 dtypeFromName(k[2].cast<std::string>()),
+                                                 k[3].cast<std::vector<size_t>>(),
+                                                 dtypeFromName(k[4].cast<std::string>())});
             }
             py::gil_scoped_release nogil;
             self.connectEngine(specs, device_index);
@@ -107,27 +109,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_disconnect_engine", &torch_odc::OdcBackend::disconnectEngine,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("_has_engine", &torch_odc::OdcBackend::hasEngine)
-      .def_property_readonly("_epoch",
-                             [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
+      .def_property_readonly(
+          "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
       .def("_published",
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("published").publishedThisEpoch(key);
            })
       .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
            py::call_guard<py::gil_scoped_release>())
-      .def("_pushed",
-           [](torch_odc::OdcBackend& self, size_t key) {
-             return self.engine("pushed").pushedThisEpoch(key);
-           })
+      .def("_grad_params", [](torch_odc::OdcBackend& self,
+                              size_t key) { return self.engine("grad params").gradParams(key); })
       .def("_accumulator",
            [](torch_odc::OdcBackend& self, size_t key) {
              auto& e = self.engine("accumulator");
              const auto& spec = e.layout().key(key);
-             auto options = torch::TensorOptions().dtype(scalarType(spec.reduce_dtype));
+             auto options = torch::TensorOptions().dtype(scalarType(spec.accum_dtype));
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
-             return torch::from_blob(e.accumulator(key), {static_cast<int64_t>(spec.accum_numel)},
+             return torch::from_blob(e.accumulator(key),
+                                     {static_cast<int64_t>(e.layout().offsets(key).accum_numel)},
                                      options);
            })
       .def("_release", &torch_odc::OdcBackend::barrierRelease,
@@ -155,17 +156,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def(
       "_set_keyed_call",
-      [](int key, bool publish_only) {
-        torch_odc::currentKeyedCall() = torch_odc::KeyedCall{key, publish_only};
+      [](int key, bool publish_only, std::vector<uint32_t> params, double scale) {
+        torch_odc::currentKeyedCall() =
+            torch_odc::KeyedCall{key, publish_only, std::move(params), scale};
       },
-      py::arg("key"), py::arg("publish_only") = false,
-      "Marks this thread's next collectives as keyed calls of `key` (-1: ordinary).");
+      py::arg("key"), py::arg("publish_only") = false, py::arg("params") = std::vector<uint32_t>{},
+      py::arg("scale") = 1.0,
+      "Marks this thread's next collectives as keyed calls of `key` (-1: ordinary). For a "
+      "reduce-scatter: the parameters its input covers, in order (empty: every trainable one) "
+      "and a factor applied on top of the reduce op's (FSDP2's post-division).");
 
   // ---- balance planner (csrc/balance) ------------------------------------------------------
   m.def(
       "_plan_balance",
-      [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens,
-         bool micro) {
+      [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens, bool micro) {
         // One-dimensional, contiguous, 8-byte buffers: int64 lengths and float64 costs.
         auto view = [](const py::buffer& buf, const char* name, bool floating) {
           py::buffer_info info = buf.request();

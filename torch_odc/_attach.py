@@ -9,15 +9,13 @@ call from the engine (csrc/engine) instead of a collective.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torch_odc import _C
+from torch_odc import _C, _fsdp2
 from torch_odc._backend import odc_backend
 
 _DTYPE_NAMES = {
@@ -29,7 +27,7 @@ _DTYPE_NAMES = {
 _handles: list[Handle] = []
 
 
-class _KeyedAllGather(AllGather):
+class _KeyedAllGather(_fsdp2.AllGather):
     def __init__(self, handle: Handle, key: int):
         self._handle, self._key = handle, key
 
@@ -46,15 +44,21 @@ class _KeyedAllGather(AllGather):
             _C._set_keyed_call(-1)
 
 
-class _KeyedReduceScatter(ReduceScatter):
-    def __init__(self, key: int):
-        self._key = key
+class _KeyedReduceScatter(_fsdp2.ReduceScatter):
+    def __init__(self, handle: Handle, key: int):
+        self._handle, self._key = handle, key
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        _C._set_keyed_call(self._key)
+        key = self._handle._keys[self._key]
+        params = key.take_pushed_params(input_tensor.numel() // key.world)
+        # FSDP2 divides the reduce-scatter output by this factor after the collective (a divide
+        # factor, fp16 reduction or force-sum): ODC's output is zeros until the barrier, so the
+        # factor is applied to the push instead.
+        scale = 1.0 / _fsdp2.post_divide_factor(key.unit, input_tensor.dtype)
+        _C._set_keyed_call(self._key, params=params, scale=scale)
         try:
             return dist.reduce_scatter_tensor(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
@@ -63,31 +67,78 @@ class _KeyedReduceScatter(ReduceScatter):
             _C._set_keyed_call(-1)
 
 
-@dataclass
 class _Key:
-    name: str
-    module: FSDPModule
-    param_group: object  # FSDP2's FSDPParamGroup of the module
-    gather_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    numel: int
-    prev_all_gather: object
-    prev_reduce_scatter: object
+    """One FSDP2 module served on demand: its shard layout, and which of its parameters got a
+    gradient in backward since its last reduce-scatter (FSDP2 reduce-scatters exactly those)."""
+
+    def __init__(self, unit: _fsdp2.Unit, world: int):
+        self.unit, self.world = unit, world
+        self.name = unit.name
+        self.gather_dtype = _fsdp2.gather_dtype(unit, unit.params[0])
+        self.accum_dtype = torch.float64 if self.gather_dtype == torch.float64 else torch.float32
+        self.shard_numel = sum(_fsdp2.padded_shard_numel(fp) for fp in unit.params)
+        # Frozen parameters have no accumulator span (and cost no accumulator memory).
+        self.grad_numels = [
+            _fsdp2.padded_shard_numel(fp) if _fsdp2.trainable(fp) else 0 for fp in unit.params
+        ]
+        self.accum_offsets = [sum(self.grad_numels[:i]) for i in range(len(unit.params))]
+        self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
+        self._pushed: set[int] = set()
+        self._hooked: dict[int, tuple[int, object]] = {}  # param index -> (id, hook handle)
+
+    def spec(self) -> tuple:
+        return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
+                _DTYPE_NAMES[self.accum_dtype])
+
+    def watch_grads(self) -> None:
+        """Hooks every unsharded parameter (created by FSDP2 at its first all-gather, then
+        reused) so that a gradient autograd accumulates into it is recorded."""
+        for index, fp in enumerate(self.unit.params):
+            param = _fsdp2.unsharded_param(fp)
+            if param is None or not param.requires_grad:
+                continue
+            hooked = self._hooked.get(index)
+            if hooked is not None and hooked[0] == id(param):
+                continue
+            if hooked is not None:
+                hooked[1].remove()
+            handle = param.register_post_accumulate_grad_hook(
+                lambda _p, i=index: self._pushed.add(i))
+            self._hooked[index] = (id(param), handle)
+
+    def unwatch_grads(self) -> None:
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
+    def take_pushed_params(self, chunk_numel: int) -> list[int]:
+        """The parameters one reduce-scatter input covers, in the input's order: those that got
+        a gradient since the last one (or, where FSDP2 reduce-scatters zeros for unused
+        parameters, every trainable one). Raises rather than guess."""
+        order = _fsdp2.reduce_scatter_order(self.unit)
+        candidates = [[i for i in order if i in self._pushed]]
+        if _fsdp2.reduces_unused_params(self.unit):
+            candidates.append([i for i in order if self.grad_numels[i] > 0])
+        self._pushed.clear()
+        for params in candidates:
+            if sum(self.grad_numels[i] for i in params) == chunk_numel:
+                return params
+        names = [_param_name(self.unit, i) for i in candidates[0]]
+        raise RuntimeError(
+            f"torch_odc: reduce-scatter of module '{self.name}' covers {chunk_numel} elements per "
+            f"rank, but the parameters that got a gradient since its last reduce-scatter "
+            f"({', '.join(names) or 'none'}) add up to "
+            f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
+            "(requires_grad changed) need a re-attach."
+        )
+
+    def pending_grads(self) -> list[str]:
+        return [_param_name(self.unit, i) for i in sorted(self._pushed)]
 
 
-def _describe_unsupported(param_group) -> str | None:
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import HSDPMeshInfo
-
-    if isinstance(param_group.mesh_info, HSDPMeshInfo):
-        return "HSDP (a 2-D mesh with replication) is not supported yet"
-    for fp in param_group.fsdp_params:
-        if getattr(fp, "offload_to_cpu", False):
-            return "CPU offload (CPUOffloadPolicy) is not supported"
-        if fp.fsdp_placement.dim != 0:
-            return f"sharding on dim {fp.fsdp_placement.dim} (shard_placement_fn) is not supported"
-        if hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather"):
-            return "tensor subclasses with fsdp_pre_all_gather extensions are not supported"
-    return None
+def _param_name(unit: _fsdp2.Unit, index: int) -> str:
+    name = _fsdp2.param_name(unit.params[index])
+    return f"{unit.name}.{name}" if name else f"{unit.name}[{index}]"
 
 
 class Handle:
@@ -100,17 +151,26 @@ class Handle:
         self._attached = True
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
-        self._hook = None
+        self._hooks: list = []
         self._step_hook = None
-        self._param_ids = {id(p) for p in model.parameters()}
+        self._params = [p for p in model.parameters()]
+        self._param_ids = {id(p) for p in self._params}
+        # Misuse detection: a barrier since attach, and the optimizers stepped since the last one.
+        self._barrier_done = False
+        self._stepped: set[int] = set()
 
     @property
     def keys(self) -> list[str]:
         return [k.name for k in self._keys]
 
+    def _where(self) -> str:
+        info = self._backend._stats()
+        return f"rank {info['rank']}, minibatch {info['minibatch']}"
+
     def barrier(self) -> None:
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
+        self._check_barrier()
         b = self._backend
         # (1) Publish what this rank has not published in this minibatch (a rank that ran no
         # microbatch, or attached with eager_publish=False).
@@ -120,11 +180,30 @@ class Handle:
         # (3) Finalize gradients from the accumulators, (4) zero them and start the next epoch.
         try:
             for index, key in enumerate(self._keys):
-                if b._pushed(index):
-                    _finalize(key, b._accumulator(index))
+                _finalize(key, b._grad_params(index), b._accumulator(index))
         finally:
             b._release()
             self._publish_pending = self._eager
+        self._barrier_done, self._stepped = True, set()
+
+    def _check_barrier(self) -> None:
+        """Raises, before anything changes, on a barrier that would silently train wrong."""
+        pending = [n for k in self._keys for n in k.pending_grads()]
+        if pending:
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: minibatch_barrier() while gradients of "
+                f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''} were never "
+                "reduce-scattered (set_requires_gradient_sync(False) on the minibatch's last "
+                "microbatch?). Enable gradient sync for the last backward of every minibatch."
+            )
+        if self._barrier_done and not self._stepped and any(
+                p.grad is not None for p in self._params):
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: a second minibatch_barrier() without "
+                "optimizer.step() since the last one would add this minibatch's gradients onto "
+                "the last one's. Call optimizer.step() (or optimizer.zero_grad() to drop them) "
+                "between two barriers."
+            )
 
     def _publish_unpublished(self) -> None:
         """Publishes every key this rank has not published in this minibatch, through FSDP2's
@@ -136,8 +215,8 @@ class Handle:
         try:
             for index, key in enumerate(self._keys):
                 if not b._published(index):
-                    key.module.unshard()
-                    key.module.reshard()
+                    key.unit.module.unshard()
+                    key.unit.module.reshard()
         finally:
             self._publishing = False
 
@@ -153,25 +232,34 @@ class Handle:
                 self._publish_unpublished()
 
     def _check_step(self, optimizer, args, kwargs) -> None:
-        # An optimizer step over this model's parameters once this rank has published shards in
-        # the minibatch in progress would leave peers reading the pre-step values (published
-        # shards are not republished within a minibatch): a forward ran between
-        # minibatch_barrier() and step(), or step() ran without the barrier.
+        # Raises before the step changes anything. A step over this model's parameters needs
+        # a barrier since this optimizer's last step (on a rank that ran no microbatch nothing
+        # else would notice: peers would read its post-step shards in the minibatch), and no
+        # forward in between (this rank's shards for the minibatch in progress are published:
+        # peers would read the pre-step values).
         if not self._attached or not any(
             id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]
         ):
             return
+        if not self._barrier_done or id(optimizer) in self._stepped:
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: optimizer.step() without "
+                "torch_odc.minibatch_barrier() since "
+                f"{'this optimizer last stepped' if self._barrier_done else 'attach'}: call the "
+                "barrier on every rank after the minibatch's last backward (also on a rank that "
+                "ran no microbatch), then step."
+            )
         b = self._backend
         published = [k.name for i, k in enumerate(self._keys) if b._published(i)]
         if published:
-            info = b._stats()
             raise RuntimeError(
-                f"torch_odc: rank {info['rank']}: optimizer.step() in minibatch "
-                f"{info['minibatch']} after this rank already published its shards of "
-                f"{', '.join(published[:3])}{', ...' if len(published) > 3 else ''} for it: "
-                "call torch_odc.minibatch_barrier() after the minibatch's last backward and "
-                "before optimizer.step(), and run no forward in between"
+                f"torch_odc: {self._where()}: optimizer.step() after this rank already published "
+                f"its shards of {', '.join(published[:3])}{', ...' if len(published) > 3 else ''}"
+                " for the minibatch in progress: call torch_odc.minibatch_barrier() after the "
+                "minibatch's last backward and before optimizer.step(), and run no forward in "
+                "between"
             )
+        self._stepped.add(id(optimizer))
 
     def stats(self) -> dict:
         return self._backend._stats()
@@ -180,53 +268,28 @@ class Handle:
         """Restores FSDP2's own all-gather and reduce-scatter and releases the engine."""
         if not self._attached:
             return
-        for hook in (self._hook, self._step_hook):
+        for hook in [*self._hooks, self._step_hook]:
             if hook is not None:
                 hook.remove()
-        self._hook = self._step_hook = None
+        self._hooks, self._step_hook = [], None
         for key in self._keys:
-            key.module.set_custom_all_gather(key.prev_all_gather)
-            key.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
+            key.unwatch_grads()
+            key.unit.module.set_custom_all_gather(key.prev_all_gather)
+            key.unit.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
         self._backend._disconnect_engine()
         self._attached = False
         if self in _handles:
             _handles.remove(self)
 
 
-def _finalize(key: _Key, accumulator: torch.Tensor) -> None:
-    """Adds the reduced shard of every parameter of `key` to its .grad, as FSDP2 would."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        _get_gradient_divide_factors,
-    )
-
-    pg = key.param_group
-    shard_group = pg.mesh_info.shard_process_group
-    _, post_divide, _, _ = _get_gradient_divide_factors(
-        shard_group,
-        None,
-        key.reduce_dtype,
-        pg.device.type,
-        pg.gradient_divide_factor,
-        pg.force_sum_reduction_for_comms,
-    )
-    offset = 0
-    for fp in pg.fsdp_params:
-        param = fp.sharded_param
-        if param.requires_grad:
-            shard = torch.as_strided(
-                accumulator,
-                size=fp.sharded_size,
-                stride=fp.contiguous_sharded_stride,
-                storage_offset=offset,
-            )
-            if post_divide is not None and post_divide != 1:
-                shard = shard / post_divide
-            grad = shard.to(dtype=fp.orig_dtype, copy=True)  # the accumulator is reused
-            if param.grad is None:
-                param.grad = fp.to_sharded_dtensor(grad)
-            else:
-                param.grad._local_tensor += grad
-        offset += fp.padded_sharded_param_size.numel()
+def _finalize(key: _Key, got_grad: list[bool], accumulator: torch.Tensor) -> None:
+    """Sets or adds the minibatch's reduced gradient of every parameter of `key` that got one on
+    some rank, as FSDP2's post-backward would; the others keep their ``.grad``."""
+    for fp, offset, has_grad in zip(key.unit.params, key.accum_offsets, got_grad):
+        if has_grad:
+            grad = _fsdp2.shard_view(fp, accumulator, offset)
+            # A copy in the gradient's dtype: the accumulator is zeroed for the next minibatch.
+            _fsdp2.add_grad(fp, grad.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
 
 
 def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
@@ -242,38 +305,31 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     runs), so that peers never wait for this rank to reach a module. With False each shard is
     published at this rank's own first all-gather of its module.
     """
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
+    try:
+        found = _fsdp2.units(model)
+    except _fsdp2.Unsupported as e:
+        raise NotImplementedError(f"torch_odc.attach: {e}") from None
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("torch_odc.attach: the model has no FSDP2 module; call fully_shard first")
-    entries, groups, devices = [], set(), set()
-    for name, module in modules:
-        state = module._get_fsdp_state()
-        pg = state._fsdp_param_group
-        if pg is None:  # a module that owns no parameters of its own never communicates
-            continue
-        problem = _describe_unsupported(pg)
+    groups, devices = set(), set()
+    for unit in found:
+        problem = _fsdp2.unsupported_reason(unit)
         if problem:
-            raise NotImplementedError(f"torch_odc.attach: module '{name or '<root>'}': {problem}")
-        orig = pg.fsdp_params[0].sharded_param.dtype
-        mp = pg.mp_policy
-        gather_dtype = mp.param_dtype or orig
-        reduce_dtype = mp.reduce_dtype or gather_dtype
-        for dtype in (gather_dtype, reduce_dtype):
-            if dtype not in _DTYPE_NAMES:
-                raise NotImplementedError(f"torch_odc.attach: module '{name}': dtype {dtype}")
-        groups.add(pg.mesh_info.shard_process_group)
-        devices.add(pg.device)
-        numel = sum(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params)
-        entries.append(
-            _Key(name or "<root>", module, pg, gather_dtype, reduce_dtype, numel,
-                 pg._all_gather_comm, pg._reduce_scatter_comm)
-        )
+            raise NotImplementedError(f"torch_odc.attach: module '{unit.name}': {problem}")
+        gather = _fsdp2.gather_dtype(unit, unit.params[0])
+        if gather not in _DTYPE_NAMES:
+            raise NotImplementedError(
+                f"torch_odc.attach: module '{unit.name}': parameters in {gather}")
+        groups.add(_fsdp2.shard_group(unit))
+        devices.add(_fsdp2.device(unit))
     if len(groups) != 1 or len(devices) != 1:
         raise NotImplementedError(
             "torch_odc.attach: every FSDP2 module must shard over the same process group and device"
         )
     group, device = groups.pop(), devices.pop()
     backend = odc_backend(group)
+    world = dist.get_world_size(group)
+    entries = [_Key(unit, world) for unit in found]
     handle = Handle(model, backend, entries, device, eager_publish)
     reason = _collective_fallback_reason(group, device)
     if reason:
@@ -284,16 +340,17 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         )
         handle._attached = False
         return handle
-    backend._connect_engine(
-        [(k.name, k.numel, _DTYPE_NAMES[k.gather_dtype], k.numel, _DTYPE_NAMES[k.reduce_dtype])
-         for k in entries],
-        device.index if device.type == "cuda" else -1,
-    )
+    backend._connect_engine([k.spec() for k in entries],
+                            device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
-        key.module.set_custom_all_gather(_KeyedAllGather(handle, index))
-        key.module.set_custom_reduce_scatter(_KeyedReduceScatter(index))
+        key.unit.module.set_custom_all_gather(_KeyedAllGather(handle, index))
+        key.unit.module.set_custom_reduce_scatter(_KeyedReduceScatter(handle, index))
+        # After FSDP2's own pre-forward (registered with prepend=True), which creates the
+        # unsharded parameters at the module's first all-gather.
+        handle._hooks.append(
+            key.unit.module.register_forward_pre_hook(lambda *_, k=key: k.watch_grads()))
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
-    handle._hook = model.register_forward_pre_hook(handle._pre_forward, prepend=True)
+    handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)
     _handles.append(handle)
     return handle
@@ -307,6 +364,8 @@ def _collective_fallback_reason(group, device: torch.device) -> str | None:
         return "this build has no CUDA transport (built without an nvcc matching torch's CUDA)"
     if device.type not in ("cpu", "cuda"):
         return f"no on-demand transport for {device.type} tensors"
+    if dist.get_world_size(group) == 1:
+        return "a group of one rank has nothing to communicate (FSDP2 calls no collective)"
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:

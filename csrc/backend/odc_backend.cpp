@@ -516,6 +516,15 @@ void OdcBackend::disconnectEngine() {
   engine_.reset();
 }
 
+void OdcBackend::noteCollective(c10d::OpType type) {
+  Engine* eng = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    eng = engine_.get();
+  }
+  if (eng) eng->noteCollective(c10d::opTypeToString(type));
+}
+
 bool OdcBackend::hasEngine() const {
   std::lock_guard<std::mutex> lock(mu_);
   return engine_ != nullptr;
@@ -591,10 +600,11 @@ WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& 
                   "' supports SUM, AVG and PREMUL_SUM, not reduce op ",
                   static_cast<int>(opts.reduceOp.op_));
   }
+  const auto& call = currentKeyedCall();
   OpRange range("odc::push " + name);
   engineCall([&] {
     eng.push(static_cast<size_t>(key), input.data_ptr(), static_cast<size_t>(input.numel()),
-             toOdcDtype(input.scalar_type()), scale, stream);
+             toOdcDtype(input.scalar_type()), scale * call.scale, call.params, stream);
   });
   // The reduced shard arrives at the minibatch barrier; until then FSDP2 accumulates zeros.
   output.zero_();

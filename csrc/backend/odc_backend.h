@@ -136,12 +136,15 @@ class OdcBackend : public c10d::Backend {
   c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors, const char* op) const;
   c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists, const char* op) const;
   void checkAlive(const char* op) const;
+  // Counts a forwarded collective while a model is attached (see Engine::noteCollective).
+  void noteCollective(c10d::OpType type);
   // The inner backend for an op on `device`, entering the coalescing mode on the first op.
   BackendPtr route(c10::DeviceType device);
   template <typename Call>
   c10::intrusive_ptr<c10d::Work> forward(c10::DeviceType device, Call&& call) {
     auto backend = route(device);
     auto work = call(*backend);
+    if (work) noteCollective(work->retrieveOpType());
     if (coalescing_ == Coalescing::kCpu && work) {
       coalesced_cpu_works_.push_back(work);
     }
@@ -167,7 +170,9 @@ class OdcBackend : public c10d::Backend {
 // one all-gather or reduce-scatter), or -1 for an ordinary collective.
 struct KeyedCall {
   int key = -1;
-  bool publish_only = false;  // barrier-driven publish: fill the shard cache, read nothing
+  bool publish_only = false;     // barrier-driven publish: fill the shard cache, read nothing
+  std::vector<uint32_t> params;  // reduce-scatter: the parameters the input covers (empty: all)
+  double scale = 1.0;            // reduce-scatter: applied on top of the reduce op's factor
 };
 KeyedCall& currentKeyedCall();
 

@@ -82,6 +82,9 @@ void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<Key
   transport_->connect(rdv, prefix, layout, timeout_);
   layout_ = std::move(layout);
   published_.assign(layout_.numKeys(), 0);
+  pushed_bits_.assign(layout_.pushedBitWords(), 0);
+  peer_bits_.assign(layout_.pushedBitWords(), 0);
+  collectives_ = 0;
   connected_ = true;
 }
 
@@ -176,31 +179,85 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
 }
 
 void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,
-                  Stream stream) {
+                  const std::vector<uint32_t>& params, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   checkKey(key, "reduce-scatter");
   const auto& spec = layout_.key(key);
-  if (dtype != spec.reduce_dtype || in_numel != spec.accum_numel * static_cast<size_t>(world_)) {
+  const auto& off = layout_.offsets(key);
+  const auto fail = [&](const std::string& what) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": reduce-scatter of " + where(key) +
-                   " got " + std::to_string(in_numel) + " elements of " + dtypeName(dtype) +
-                   ", but the key was attached with world size " + std::to_string(world_) + " x " +
-                   std::to_string(spec.accum_numel) + " elements of " +
-                   dtypeName(spec.reduce_dtype));
+                   ": " + what);
+  };
+  if (accumDtypeFor(dtype) != spec.accum_dtype) {
+    fail(std::string("pushes of ") + dtypeName(dtype) + " into a " + dtypeName(spec.accum_dtype) +
+         " accumulator");
+  }
+  const size_t n = spec.grad_numels.size();
+  std::vector<uint32_t> all;
+  if (params.empty()) {
+    for (uint32_t p = 0; p < n; ++p) {
+      if (spec.grad_numels[p] > 0) all.push_back(p);
+    }
+  }
+  const auto& order = params.empty() ? all : params;
+  // Spans in the input chunk (src) and the accumulator (dst), merged where both are contiguous.
+  struct Run {
+    size_t dst, src, numel;
+  };
+  std::vector<Run> runs;
+  std::vector<bool> seen(n, false);
+  size_t chunk = 0;
+  for (const uint32_t p : order) {
+    if (p >= n || seen[p]) {
+      fail("parameter #" + std::to_string(p) + " is out of range or listed twice");
+    }
+    seen[p] = true;
+    const size_t numel = spec.grad_numels[p];
+    if (numel == 0) {
+      fail("parameter #" + std::to_string(p) +
+           " was frozen (requires_grad=False) when the model was attached, so it has no "
+           "accumulator; re-attach after changing requires_grad");
+    }
+    const size_t dst = off.param_accum[p];
+    if (!runs.empty() && runs.back().dst + runs.back().numel == dst) {
+      runs.back().numel += numel;
+    } else {
+      runs.push_back({dst, chunk, numel});
+    }
+    chunk += numel;
+  }
+  if (in_numel != chunk * static_cast<size_t>(world_)) {
+    fail("got " + std::to_string(in_numel) + " elements, but its " + std::to_string(order.size()) +
+         " parameters need world size " + std::to_string(world_) + " x " + std::to_string(chunk));
   }
   ++current_.keyed_reduce_scatters;
-  const auto& off = layout_.offsets(key);
-  const size_t chunk_bytes = spec.accumBytes();
-  std::vector<Transport::PeerPush> pushes;
-  pushes.reserve(static_cast<size_t>(world_));
-  for (int i = 0; i < world_; ++i) {  // rotated, the own chunk first
-    const int owner = (rank_ + i) % world_;
-    pushes.push_back(
-        {owner, static_cast<const uint8_t*>(in) + static_cast<size_t>(owner) * chunk_bytes});
-    if (owner != rank_) current_.bytes_pushed += chunk_bytes;
+  const size_t esize = elementSize(dtype);
+  std::vector<Transport::PeerPush> pushes(static_cast<size_t>(world_));
+  for (const Run& run : runs) {
+    for (int i = 0; i < world_; ++i) {  // rotated, the own chunk first
+      const int owner = (rank_ + i) % world_;
+      pushes[static_cast<size_t>(i)] = {
+          owner,
+          static_cast<const uint8_t*>(in) + (static_cast<size_t>(owner) * chunk + run.src) * esize};
+    }
+    transport_->pushPeers(off.accum, run.dst, off.first_lock, run.numel, dtype, scale, pushes,
+                          stream);
   }
-  transport_->pushPeers(off.accum, off.first_lock, off.pushed_flag, epoch_, spec.accum_numel, dtype,
-                        scale, pushes, stream);
+  current_.bytes_pushed += chunk * esize * static_cast<size_t>(world_ - 1);
+  for (const uint32_t p : order) {
+    const size_t bit = off.first_param + p;
+    pushed_bits_[bit / 64] |= uint64_t{1} << (bit % 64);
+  }
   transport_->endOp(stream);
+}
+
+void Engine::noteCollective(const std::string& op) {
+  {
+    std::lock_guard<std::mutex> lock(op_mu_);
+    last_collective_ = op;
+  }
+  // Only this thread of this process writes the word; peers read it with acquire.
+  transport_->storeControl(layout_.controlCollectives(), ++collectives_);
 }
 
 bool Engine::publishedThisEpoch(size_t key) const {
@@ -208,7 +265,24 @@ bool Engine::publishedThisEpoch(size_t key) const {
   return key < published_.size() && published_[key] == epoch_;
 }
 
-void Engine::waitAll(size_t control_offset, const char* phase) {
+std::string Engine::collectivesMismatch(int peer, uint64_t mine, uint64_t theirs) const {
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(op_mu_));
+    last = last_collective_.empty() ? "none" : last_collective_;
+  }
+  return "odc: rank " + std::to_string(rank_) + ": in minibatch " + std::to_string(epoch_) +
+         " ranks ran different numbers of collectives besides FSDP2's keyed all-gathers and "
+         "reduce-scatters: " +
+         std::to_string(mine) + " on this rank (the last: " + last + "), " +
+         std::to_string(theirs) + " on peer rank " + std::to_string(peer) +
+         " (counted since attach). A collective inside the microbatch loop (a per-microbatch "
+         "loss or metric all-reduce) hangs or pairs up wrongly once ranks run different numbers "
+         "of microbatches: run it once per minibatch, after torch_odc.minibatch_barrier().";
+}
+
+void Engine::waitAll(size_t control_offset, const char* phase, bool check_collectives) {
+  const uint64_t mine = collectives_.load();
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     const auto ctx = context([this, peer, phase] {
@@ -219,9 +293,19 @@ void Engine::waitAll(size_t control_offset, const char* phase) {
              ". Every rank must call "
              "torch_odc.minibatch_barrier() once per minibatch.";
     });
-    hostWait([&] { return transport_->loadControl(peer, control_offset) >= epoch_; },
-             [&] { return transport_->peerAlive(peer); }, ctx,
-             ("odc: rank " + std::to_string(rank_)).c_str());
+    hostWait(
+        [&] {
+          if (transport_->loadControl(peer, control_offset) >= epoch_) return true;
+          // A peer that has run more collectives than this rank, which waits here and runs none,
+          // is blocked in one that this rank will never join: say so now, not at the timeout.
+          const uint64_t theirs = transport_->loadControl(peer, layout_.controlCollectives());
+          if (check_collectives && theirs > mine) {
+            throw OdcError(collectivesMismatch(peer, mine, theirs));
+          }
+          return false;
+        },
+        [&] { return transport_->peerAlive(peer); }, ctx,
+        ("odc: rank " + std::to_string(rank_)).c_str());
   }
 }
 
@@ -242,15 +326,42 @@ void Engine::arrive(Stream stream) {
     }
   }
   transport_->quiesce(stream);  // every push of this rank has landed
+  for (size_t w = 0; w < pushed_bits_.size(); ++w) {
+    transport_->storeControl(layout_.controlPushedBits() + w * sizeof(uint64_t), pushed_bits_[w]);
+  }
   transport_->storeControl(layout_.controlArrived(), epoch_);
   arrived_ = true;
-  waitAll(layout_.controlArrived(), "arrive at");
+  waitAll(layout_.controlArrived(), "arrive at", /*check_collectives=*/true);
+  // Every rank has arrived, so no count changes any more: all ranks see the same values.
+  const uint64_t mine = collectives_.load();
+  for (int peer = 0; peer < world_; ++peer) {
+    const uint64_t theirs = transport_->loadControl(peer, layout_.controlCollectives());
+    if (theirs != mine) throw OdcError(collectivesMismatch(peer, mine, theirs));
+  }
+  peer_bits_ = pushed_bits_;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    for (size_t w = 0; w < peer_bits_.size(); ++w) {
+      peer_bits_[w] |=
+          transport_->loadControl(peer, layout_.controlPushedBits() + w * sizeof(uint64_t));
+    }
+  }
   current_.barrier_s += secondsSince(t0);
 }
 
-bool Engine::pushedThisEpoch(size_t key) {
+std::vector<bool> Engine::gradParams(size_t key) {
   std::lock_guard<std::mutex> lock(mu_);
-  return transport_->loadLocalFlag(layout_.offsets(key).pushed_flag) == epoch_;
+  if (!arrived_) {
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": gradients are known only inside the minibatch barrier");
+  }
+  const auto& off = layout_.offsets(key);
+  std::vector<bool> out(layout_.key(key).grad_numels.size());
+  for (size_t p = 0; p < out.size(); ++p) {
+    const size_t bit = off.first_param + p;
+    out[p] = (peer_bits_[bit / 64] >> (bit % 64)) & 1;
+  }
+  return out;
 }
 
 void* Engine::accumulator(size_t key) {
@@ -271,7 +382,10 @@ void Engine::release(Stream stream) {
   }
   transport_->quiesce(stream);
   transport_->storeControl(layout_.controlReleased(), epoch_);
-  waitAll(layout_.controlReleased(), "leave");
+  waitAll(layout_.controlReleased(), "leave", /*check_collectives=*/false);
+  // Every peer has read this rank's bitmap (finalize precedes release); the next arrive rewrites
+  // it whole.
+  std::fill(pushed_bits_.begin(), pushed_bits_.end(), 0);
   current_.barrier_s += secondsSince(t0);
   current_.minibatches = 1;
   last_ = current_;

@@ -4,11 +4,16 @@
 // Epoch e is minibatch e (from 1). Within an epoch:
 //  - gather(K): the first gather of K publishes this rank's shard (cache fill, then flag := e);
 //    every gather reads each peer's shard after waiting for that peer's flag to reach e.
-//  - push(K): adds chunk j of the input into rank j's accumulator of K, marks K pushed at j.
+//  - push(K, params): adds chunk j of the input into rank j's accumulator of K, each parameter's
+//    span at its own place (a push may cover any subset of K's trainable parameters), and marks
+//    those parameters as pushed by this rank.
 // Barrier of epoch e:
-//  - arrive(): this rank's pushes are complete (quiesce), then arrived := e; wait until every
-//    rank has arrived. After this no rank pushes into epoch e any more, so the accumulators are
-//    final and may be read (finalize).
+//  - arrive(): this rank's pushes are complete (quiesce); it stores the bitmap of parameters it
+//    pushed, then arrived := e; wait until every rank has arrived. After this no rank pushes into
+//    epoch e any more, so the accumulators are final and may be read (finalize), and the union of
+//    the bitmaps says which parameters got a gradient on some rank. Ranks must also have run the
+//    same number of unkeyed collectives (checked here: a collective in the microbatch loop hangs
+//    once ranks run different numbers of microbatches).
 //  - release(): zero the accumulators, released := e, wait until every rank has released,
 //    epoch := e + 1. The second phase keeps a fast rank's epoch e+1 pushes out of a slow rank's
 //    accumulator until that rank has finalized and zeroed it, and keeps shard caches from being
@@ -20,6 +25,7 @@
 // naming it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -66,14 +72,20 @@ class Engine {
               Stream stream);
   // Publishes `in` for `key` if not yet published in this epoch; reads nothing.
   void publish(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
-  // Keyed reduce-scatter: adds scale * chunk j of `in` (world * accum_numel elements) into rank
+  // Keyed reduce-scatter: `in` holds world chunks, each the concatenation of the (padded) shards
+  // of `params` (indices into the key's parameters, in the input's order; empty: every trainable
+  // parameter in key order). Adds scale * each parameter's shard in chunk j into its span of rank
   // j's accumulator of `key`.
-  void push(size_t key, const void* in, size_t in_numel, DType dtype, double scale, Stream stream);
+  void push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,
+            const std::vector<uint32_t>& params, Stream stream);
+  // A collective outside keyed calls (counted; compared across ranks at the barrier).
+  void noteCollective(const std::string& op);
 
   bool publishedThisEpoch(size_t key) const;
-  // Barrier phase 1 (see above). After it, pushedThisEpoch/accumulator describe final sums.
+  // Barrier phase 1 (see above). After it, gradParams/accumulator describe final sums.
   void arrive(Stream stream);
-  bool pushedThisEpoch(size_t key);
+  // Per parameter of `key`: whether some rank pushed a gradient for it in this minibatch.
+  std::vector<bool> gradParams(size_t key);
   void* accumulator(size_t key);
   // Barrier phase 2: zero accumulators, wait for every rank, advance the epoch.
   void release(Stream stream);
@@ -86,7 +98,8 @@ class Engine {
   std::string where(size_t key) const;
   void checkKey(size_t key, const char* op) const;
   void publishLocked(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
-  void waitAll(size_t control_offset, const char* phase);
+  void waitAll(size_t control_offset, const char* phase, bool check_collectives);
+  std::string collectivesMismatch(int peer, uint64_t mine, uint64_t theirs) const;
   WaitContext context(std::function<std::string()> describe) const;
 
   const int rank_;
@@ -97,7 +110,12 @@ class Engine {
   bool connected_ = false;
   bool arrived_ = false;
   uint64_t epoch_ = 1;
-  std::vector<uint64_t> published_;  // epoch in which this rank last published each key
+  std::vector<uint64_t> published_;    // epoch in which this rank last published each key
+  std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
+  std::vector<uint64_t> peer_bits_;    // union over all ranks, valid between arrive and release
+  std::atomic<uint64_t> collectives_{0};
+  std::mutex op_mu_;
+  std::string last_collective_;  // guarded by op_mu_
   mutable std::mutex mu_;
   EngineStats current_, last_, total_;
 };

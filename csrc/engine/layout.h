@@ -1,15 +1,18 @@
 // The layout of one rank's ODC region. Every rank of a group has a region with this same layout,
 // so an offset computed here addresses the same thing in any peer's region.
 //
-//   control   : per-rank barrier words (arrived epoch, released epoch), host memory
-//   flags     : per key: published epoch of the shard cache, last epoch a push landed
+//   control   : per-rank barrier words (arrived epoch, released epoch, pid, collectives count)
+//               and the bitmap of parameters this rank pushed in the minibatch, host memory
+//   flags     : per key: published epoch of the shard cache
 //   locks     : per key and accumulator block: a spinlock word (CPU accumulation only)
 //   caches    : per key: this rank's shard (the all-gather input), written only by the owner
-//   accums    : per key: this rank's gradient accumulator, added into by every pusher
+//   accums    : per key: this rank's gradient accumulator (fp32; fp64 for fp64 models), one
+//               span per trainable parameter, added into by every pusher
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -21,20 +24,28 @@ struct KeySpec {
   std::string name;        // identical on every rank (the module's qualified name)
   size_t shard_numel = 0;  // all-gather input elements per rank
   DType gather_dtype = DType::kFloat32;
-  size_t accum_numel = 0;  // reduce-scatter output elements per rank
-  DType reduce_dtype = DType::kFloat32;
+  // Per parameter of the key, in FSDP2's order: the elements of its (padded) shard, i.e. its span
+  // in each rank's chunk of a reduce-scatter input and in the accumulator; 0 for a frozen
+  // parameter, which has no accumulator span and may not be pushed.
+  std::vector<size_t> grad_numels;
+  DType accum_dtype = DType::kFloat32;  // whatever dtype pushes arrive in (fp64: only fp64)
 
   size_t shardBytes() const { return shard_numel * elementSize(gather_dtype); }
-  size_t accumBytes() const { return accum_numel * elementSize(reduce_dtype); }
+  size_t accumNumel() const {
+    return std::accumulate(grad_numels.begin(), grad_numels.end(), size_t{0});
+  }
+  size_t accumBytes() const { return accumNumel() * elementSize(accum_dtype); }
 };
 
 struct KeyOffsets {
   size_t published_flag = 0;
-  size_t pushed_flag = 0;
   size_t first_lock = 0;
   size_t num_locks = 0;
   size_t cache = 0;
   size_t accum = 0;
+  size_t accum_numel = 0;
+  size_t first_param = 0;           // the key's first bit in the pushed-parameters bitmap
+  std::vector<size_t> param_accum;  // element offset of each parameter's accumulator span
 };
 
 class RegionLayout {
@@ -51,6 +62,17 @@ class RegionLayout {
   size_t controlArrived() const { return 0; }
   size_t controlReleased() const { return kAlign; }
   size_t controlPid() const { return 2 * kAlign; }
+  // Cumulative count of this rank's collectives outside keyed calls since connect.
+  size_t controlCollectives() const { return 3 * kAlign; }
+  // Bit p: parameter p (over all keys, in key order) got a gradient from this rank's pushes in
+  // the minibatch; written before `arrived`, read by peers after it.
+  size_t controlPushedBits() const { return 4 * kAlign; }
+  size_t pushedBitWords() const { return (num_params_ + 63) / 64; }
+  // Bytes of the control words: a transport that keeps them apart (CUDA IPC) sizes them so.
+  size_t controlBytes() const { return control_bytes_; }
+  size_t numParams() const { return num_params_; }
+  // A layout of the control words only (no keys), for a transport's separate control region.
+  RegionLayout controlOnly() const;
   const std::vector<KeySpec>& keys() const { return keys_; }
   const KeySpec& key(size_t k) const { return keys_.at(k); }
   const KeyOffsets& offsets(size_t k) const { return offsets_.at(k); }
@@ -62,6 +84,8 @@ class RegionLayout {
   std::vector<KeySpec> keys_;
   std::vector<KeyOffsets> offsets_;
   size_t bytes_ = 0;
+  size_t control_bytes_ = 0;
+  size_t num_params_ = 0;
 };
 
 }  // namespace torch_odc

@@ -45,12 +45,13 @@ class Transport {
                         Stream stream) = 0;
   // One-sided read from a peer's region.
   virtual void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) = 0;
-  // One-sided accumulate: peer.accum[offset..] += scale * src[0..numel), safe under concurrent
-  // pushers into the same peer buffer (`locks_offset` addresses the key's lock words, for
-  // transports that need locks); then stores `epoch` into the peer's flag at `pushed_offset`
-  // (read only after the barrier, so it needs no ordering of its own).
-  virtual void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
-                          uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
+  // One-sided accumulate: acc[elem + i] += scale * src[i] for i < numel, where acc is the peer's
+  // accumulator at `accum_offset`, in accumDtypeFor(dtype) (16-bit sources are widened to fp32
+  // before the add). Safe under concurrent pushers into the same accumulator: `locks_offset`
+  // addresses the key's lock words, one per kLockBlockElems accumulator elements counted from
+  // `accum_offset`, for transports that need locks. Read by the owner only after the barrier.
+  virtual void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset,
+                          const void* src, size_t numel, DType dtype, double scale,
                           Stream stream) = 0;
   // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
   // is >= value, then read `bytes` from the peer's region at `offset` into `dst`. Returns the
@@ -78,12 +79,11 @@ class Transport {
     int peer;
     const void* src;
   };
-  virtual void pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset, uint64_t epoch,
-                         size_t numel, DType dtype, double scale,
-                         const std::vector<PeerPush>& pushes, Stream stream) {
+  virtual void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, size_t numel,
+                         DType dtype, double scale, const std::vector<PeerPush>& pushes,
+                         Stream stream) {
     for (const auto& p : pushes) {
-      accumulate(p.peer, offset, locks_offset, pushed_offset, epoch, p.src, numel, dtype, scale,
-                 stream);
+      accumulate(p.peer, accum_offset, elem, locks_offset, p.src, numel, dtype, scale, stream);
     }
   }
   // Ends one keyed operation: whatever the transport ran beside `stream` (e.g. one side stream
@@ -95,7 +95,6 @@ class Transport {
   // ---- host control (barrier words; always host-visible) ----
   virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release
   virtual uint64_t loadControl(int peer, size_t offset) = 0;     // acquire
-  virtual uint64_t loadLocalFlag(size_t offset) = 0;             // own data-region flag
   // Host pointer to the own region at `offset` (for CPU; device pointer for device transports).
   virtual void* localPointer(size_t offset) = 0;
   virtual void zeroLocal(size_t offset, size_t bytes, Stream stream) = 0;

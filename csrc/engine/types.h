@@ -43,6 +43,12 @@ inline const char* dtypeName(DType t) {
   return "?";
 }
 
+// The accumulator dtype for pushes of `src`: 16-bit pushes are widened and added in fp32, so
+// rounding to the gradient dtype happens once, when the minibatch's sum is finalized.
+inline DType accumDtypeFor(DType src) {
+  return src == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+}
+
 // An opaque execution context for data movement: nullptr on the CPU, a cudaStream_t for CUDA.
 using Stream = void*;
 

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -52,17 +53,18 @@ class FileRendezvous : public Rendezvous {
   fs::path dir_;
 };
 
-#define REQUIRE(cond)                                                                          \
-  do {                                                                                         \
-    if (!(cond)) throw std::runtime_error(std::string("requirement failed: ") + #cond + " at " \
-                                          + __FILE__ + ":" + std::to_string(__LINE__));        \
+#define REQUIRE(cond)                                                                            \
+  do {                                                                                           \
+    if (!(cond))                                                                                 \
+      throw std::runtime_error(std::string("requirement failed: ") + #cond + " at " + __FILE__ + \
+                               ":" + std::to_string(__LINE__));                                  \
   } while (0)
 
 // Runs body(rank, rdv) in `world` forked processes; returns each child's failure text ("" = ok).
 std::vector<std::string> runRanks(int world, const std::function<void(int, Rendezvous&)>& body) {
-  const auto dir = fs::temp_directory_path() /
-                   ("odc-gtest-" + std::to_string(::getpid()) + "-" +
-                    std::to_string(Clock::now().time_since_epoch().count()));
+  const auto dir =
+      fs::temp_directory_path() / ("odc-gtest-" + std::to_string(::getpid()) + "-" +
+                                   std::to_string(Clock::now().time_since_epoch().count()));
   fs::create_directories(dir);
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
@@ -87,8 +89,9 @@ std::vector<std::string> runRanks(int world, const std::function<void(int, Rende
     std::ifstream in(dir / ("result-" + std::to_string(r)));
     std::stringstream ss;
     ss << in.rdbuf();
-    out[r] = ss.str() == "ok" ? "" : ("rank " + std::to_string(r) + ": " + ss.str() +
-                                      " (exit status " + std::to_string(status) + ")");
+    out[r] = ss.str() == "ok" ? ""
+                              : ("rank " + std::to_string(r) + ": " + ss.str() + " (exit status " +
+                                 std::to_string(status) + ")");
   }
   fs::remove_all(dir);
   return out;
@@ -99,19 +102,18 @@ void expectAllOk(const std::vector<std::string>& results) {
 }
 
 std::vector<KeySpec> twoKeys() {
-  return {KeySpec{"layers.0", 1000, DType::kFloat32, 1000, DType::kFloat32},
-          KeySpec{"layers.1", 37, DType::kFloat32, 37, DType::kFloat32}};
+  return {KeySpec{"layers.0", 1000, DType::kFloat32, {1000}, DType::kFloat32},
+          KeySpec{"layers.1", 37, DType::kFloat32, {30, 7}, DType::kFloat32}};
 }
 
 float shardValue(int rank, size_t key, uint64_t epoch, size_t i) {
   return static_cast<float>(rank * 1000 + key * 100 + epoch * 10) + static_cast<float>(i) * 0.5f;
 }
 
-std::unique_ptr<Engine> makeEngine(int rank, int world, Rendezvous& rdv,
-                                   std::vector<KeySpec> keys,
+std::unique_ptr<Engine> makeEngine(int rank, int world, Rendezvous& rdv, std::vector<KeySpec> keys,
                                    std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  auto engine = std::make_unique<Engine>(rank, world, timeout,
-                                         std::make_unique<ShmTransport>(rank, world));
+  auto engine =
+      std::make_unique<Engine>(rank, world, timeout, std::make_unique<ShmTransport>(rank, world));
   engine->connect(rdv, "t", std::move(keys));
   return engine;
 }
@@ -149,45 +151,77 @@ TEST(Engine, GatherReadsEveryPeersPublishedShardAcrossEpochs) {
 TEST(Engine, ConcurrentPushesAccumulateExactlyWithUnevenMicrobatchCounts) {
   const int world = 4;
   expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
-    // A large key (several lock blocks) and a small one.
+    // Key 0: a large parameter (several lock blocks), a frozen one (no accumulator) and a small
+    // one; key 1: one small parameter. bf16 pushes land in the same fp32 accumulators.
     const size_t big = RegionLayout::kLockBlockElems * 3 + 5;
-    std::vector<KeySpec> keys{{"big", big, DType::kFloat32, big, DType::kFloat32},
-                              {"small", 3, DType::kFloat32, 3, DType::kFloat32}};
+    std::vector<KeySpec> keys{{"big", big + 9, DType::kFloat32, {big, 0, 5}, DType::kFloat32},
+                              {"small", 3, DType::kFloat32, {3}, DType::kFloat32}};
     auto e = makeEngine(rank, world, rdv, keys);
+    REQUIRE(e->layout().offsets(0).accum_numel == big + 5);
     for (uint64_t epoch = 1; epoch <= 2; ++epoch) {
-      // rank r runs (r + epoch) % 3 microbatches: some rank runs none.
+      // rank r runs (r + epoch) % 3 microbatches: some rank runs none. Odd ranks push only the
+      // small parameter of key 0 (as FSDP2 does for parameters without a gradient), in bf16.
       auto microbatches = [&](int r) { return static_cast<int>((r + epoch) % 3); };
+      auto value = [](int r, int mb) { return static_cast<float>((r + 1) * (mb + 1)); };
       for (int mb = 0; mb < microbatches(rank); ++mb) {
-        for (size_t k = 0; k < 2; ++k) {
-          const size_t n = keys[k].accum_numel;
-          std::vector<float> in(n * world);
-          for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>((rank + 1) * (mb + 1));
-          e->push(k, in.data(), in.size(), DType::kFloat32, 0.5, nullptr);
+        if (rank % 2 == 0) {
+          std::vector<float> in((big + 5) * world, value(rank, mb));
+          e->push(0, in.data(), in.size(), DType::kFloat32, 0.5, {}, nullptr);
+        } else {
+          const uint16_t bf16 =
+              static_cast<uint16_t>(std::bit_cast<uint32_t>(value(rank, mb)) >> 16);
+          std::vector<uint16_t> in(5 * world, bf16);  // small integers: exact in bf16
+          e->push(0, in.data(), in.size(), DType::kBFloat16, 0.5, {2}, nullptr);
         }
+        std::vector<float> in(3 * world, value(rank, mb));
+        e->push(1, in.data(), in.size(), DType::kFloat32, 0.5, {}, nullptr);
       }
-      std::vector<std::vector<float>> shards{std::vector<float>(big), std::vector<float>(3)};
+      std::vector<std::vector<float>> shards{std::vector<float>(big + 9), std::vector<float>(3)};
       for (size_t k = 0; k < 2; ++k) {
         e->publish(k, shards[k].data(), shards[k].size() * 4, DType::kFloat32, nullptr);
       }
       e->arrive(nullptr);
-      float expected = 0;
-      bool any = false;
+      float all = 0, even = 0;
+      bool any = false, any_even = false;
       for (int r = 0; r < world; ++r) {
         for (int mb = 0; mb < microbatches(r); ++mb) {
-          expected += 0.5f * static_cast<float>((r + 1) * (mb + 1));
+          all += 0.5f * value(r, mb);
           any = true;
+          if (r % 2 == 0) {
+            even += 0.5f * value(r, mb);
+            any_even = true;
+          }
         }
       }
-      for (size_t k = 0; k < 2; ++k) {
-        REQUIRE(e->pushedThisEpoch(k) == any);
-        const auto* acc = static_cast<const float*>(e->accumulator(k));
-        for (size_t i = 0; i < keys[k].accum_numel; ++i) REQUIRE(acc[i] == expected);
-      }
+      REQUIRE(e->gradParams(0) == (std::vector<bool>{any_even, false, any}));
+      REQUIRE(e->gradParams(1) == std::vector<bool>{any});
+      const auto* acc0 = static_cast<const float*>(e->accumulator(0));
+      for (size_t i = 0; i < big; ++i) REQUIRE(acc0[i] == even);
+      for (size_t i = big; i < big + 5; ++i) REQUIRE(acc0[i] == all);
+      const auto* acc1 = static_cast<const float*>(e->accumulator(1));
+      for (size_t i = 0; i < 3; ++i) REQUIRE(acc1[i] == all);
       // Peers may push minibatch 2 as soon as release returns: the exact sums checked in
       // minibatch 2 are what show the accumulators were zeroed in between.
       e->release(nullptr);
     }
   }));
+}
+
+TEST(Engine, DifferentCollectiveCountsFailAtTheBarrierNamingTheLastOne) {
+  const auto results = runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys());
+    // Rank 0 ran one more per-microbatch all-reduce than rank 1 (one more microbatch).
+    for (int i = 0; i < 2 + (rank == 0); ++i) e->noteCollective("ALLREDUCE");
+    std::vector<float> a(1000), b(37);
+    e->publish(0, a.data(), a.size() * 4, DType::kFloat32, nullptr);
+    e->publish(1, b.data(), b.size() * 4, DType::kFloat32, nullptr);
+    e->arrive(nullptr);
+  });
+  for (const auto& r : results) {
+    EXPECT_NE(r.find("different numbers of collectives"), std::string::npos) << r;
+    EXPECT_NE(r.find("ALLREDUCE"), std::string::npos) << r;
+    EXPECT_NE(r.find("after torch_odc.minibatch_barrier()"), std::string::npos) << r;
+  }
 }
 
 TEST(Engine, WaitingForAnUnpublishedShardTimesOutNamingPeerKeyAndMinibatch) {
@@ -224,8 +258,8 @@ TEST(Engine, BarrierTimesOutNamingTheRankThatNeverArrives) {
       rdv.get("others-done/1", std::chrono::seconds(20));
       return;
     }
-    for (size_t k = 0; k < 2; ++k) e->publish(k, shards[k].data(), shards[k].size() * 4,
-                                              DType::kFloat32, nullptr);
+    for (size_t k = 0; k < 2; ++k)
+      e->publish(k, shards[k].data(), shards[k].size() * 4, DType::kFloat32, nullptr);
     try {
       e->arrive(nullptr);
     } catch (const OdcTimeout& err) {
@@ -284,9 +318,16 @@ TEST(Engine, WrongSizeOrDtypeIsAClearError) {
     REQUIRE(threw);
     threw = false;
     try {
-      e->push(1, in.data(), 74, DType::kBFloat16, 1.0, nullptr);
+      e->push(1, in.data(), 75, DType::kFloat32, 1.0, {}, nullptr);
     } catch (const OdcError& err) {
-      threw = std::string(err.what()).find("bfloat16") != std::string::npos;
+      threw = std::string(err.what()).find("world size 2 x 37") != std::string::npos;
+    }
+    REQUIRE(threw);
+    threw = false;
+    try {
+      e->push(1, in.data(), 60, DType::kFloat64, 1.0, {0}, nullptr);
+    } catch (const OdcError& err) {
+      threw = std::string(err.what()).find("float64 into a float32") != std::string::npos;
     }
     REQUIRE(threw);
   }));
@@ -309,25 +350,24 @@ TEST(Engine, NoSharedMemoryIsLeftBehind) {
   EXPECT_EQ(odc_after, 0u);
 }
 
-TEST(AccumulateCpu, HalfPrecisionRoundsLikeFloatThenOnce) {
-  // bf16: 1 + 2^-9 is not representable; 1.0 + 0.5 * 2^-8 rounds to even (1.0).
-  uint16_t d = 0x3f80, s = 0x3b80;  // 1.0, 2^-8
+TEST(AccumulateCpu, HalfPrecisionPushesAreWidenedIntoFloatAccumulators) {
+  // bf16 2^-8 * 0.5 added to 1.0: exact in fp32 (a bf16 accumulator would round it away).
+  float d = 1.0f;
+  const uint16_t s = 0x3b80;  // bf16 2^-8
   accumulateCpu(&d, &s, 1, DType::kBFloat16, 0.5);
-  EXPECT_EQ(d, 0x3f80);
-  accumulateCpu(&d, &s, 1, DType::kBFloat16, 1.0);  // 1 + 2^-8 -> 0x3f81? 2^-7 is 1 ulp: ties
-  float f = 1.0f + std::ldexp(1.0f, -8);
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-  EXPECT_EQ(d, rounded);
-  // fp16: 1.0 + 1.0 = 2.0 ; 65504 + 65504 overflows to inf; a subnormal survives.
-  uint16_t h = 0x3c00, hs = 0x3c00;
-  accumulateCpu(&h, &hs, 1, DType::kFloat16, 1.0);
-  EXPECT_EQ(h, 0x4000);
-  uint16_t big = 0x7bff, bigs = 0x7bff;
+  EXPECT_EQ(d, 1.0f + std::ldexp(1.0f, -9));
+  // fp16: 65504 + 65504 does not overflow in fp32; a subnormal survives exactly.
+  float big = 0;
+  const uint16_t bigs = 0x7bff;  // 65504
   accumulateCpu(&big, &bigs, 1, DType::kFloat16, 1.0);
-  EXPECT_EQ(big, 0x7c00);
-  uint16_t sub = 0x0001, subs = 0x0001;  // 2^-24 + 2^-24 = 2^-23
+  accumulateCpu(&big, &bigs, 1, DType::kFloat16, 1.0);
+  EXPECT_EQ(big, 131008.0f);
+  float sub = 0;
+  const uint16_t subs = 0x0001;  // 2^-24
   accumulateCpu(&sub, &subs, 1, DType::kFloat16, 1.0);
-  EXPECT_EQ(sub, 0x0002);
+  EXPECT_EQ(sub, std::ldexp(1.0f, -24));
+  double wide = 1.0;
+  const double ws = 1e-12;
+  accumulateCpu(&wide, &ws, 1, DType::kFloat64, 2.0);
+  EXPECT_EQ(wide, 1.0 + 2e-12);
 }

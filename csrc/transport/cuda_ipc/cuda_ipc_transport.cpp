@@ -52,7 +52,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   ctas_ = 2 * sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
   if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
-  control_.connect(rdv, prefix + "/ctl", RegionLayout(std::vector<KeySpec>{}), timeout);
+  control_.connect(rdv, prefix + "/ctl", layout.controlOnly(), timeout);
   check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(cuda_ipc::DeviceError),
                       cudaHostAllocMapped),
         rank_, "cudaHostAlloc");
@@ -208,12 +208,11 @@ void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, St
         rank_, "peer read from rank " + std::to_string(peer));
 }
 
-void CudaIpcTransport::accumulate(int peer, size_t offset, size_t /*locks_offset*/,
-                                  size_t pushed_offset, uint64_t epoch, const void* src,
-                                  size_t numel, DType dtype, double scale, Stream stream) {
-  cuda_ipc::launchPush(at(peer, offset), src, numel, dtype, static_cast<float>(scale),
-                       reinterpret_cast<uint64_t*>(at(peer, pushed_offset)), epoch, sm_count_,
-                       peerStream(peer, asStream(stream)));
+void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
+                                  size_t /*locks_offset*/, const void* src, size_t numel,
+                                  DType dtype, double scale, Stream stream) {
+  cuda_ipc::launchPush(accumAt(peer, accum_offset, elem, dtype), src, numel, dtype,
+                       static_cast<float>(scale), sm_count_, peerStream(peer, asStream(stream)));
 }
 
 double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t value,
@@ -244,23 +243,28 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   return 0;
 }
 
-void CudaIpcTransport::pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset,
-                                 uint64_t epoch, size_t numel, DType dtype, double scale,
+void CudaIpcTransport::pushPeers(size_t accum_offset, size_t elem, size_t locks_offset,
+                                 size_t numel, DType dtype, double scale,
                                  const std::vector<PeerPush>& pushes, Stream stream) {
   if (!fused_ || pushes.size() > static_cast<size_t>(cuda_ipc::kMaxPeers)) {
-    Transport::pushPeers(offset, locks_offset, pushed_offset, epoch, numel, dtype, scale, pushes,
-                         stream);
+    Transport::pushPeers(accum_offset, elem, locks_offset, numel, dtype, scale, pushes, stream);
     return;
   }
   cuda_ipc::PushArgs args;
   for (const auto& p : pushes) {
     const int i = args.count++;
-    args.dst[i] = at(p.peer, offset);
+    args.dst[i] = accumAt(p.peer, accum_offset, elem, dtype);
     args.src[i] = p.src;
-    args.flag[i] = reinterpret_cast<uint64_t*>(at(p.peer, pushed_offset));
   }
-  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), epoch, ctas_,
-                          asStream(stream));
+  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), ctas_, asStream(stream));
+}
+
+void* CudaIpcTransport::accumAt(int peer, size_t accum_offset, size_t elem, DType dtype) {
+  if (accumDtypeFor(dtype) != DType::kFloat32) {
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": CUDA pushes of " + dtypeName(dtype) +
+                   " are not supported (fp32, bf16, fp16)");
+  }
+  return at(peer, accum_offset) + elem * sizeof(float);
 }
 
 void CudaIpcTransport::quiesce(Stream) {
@@ -276,12 +280,6 @@ void CudaIpcTransport::storeControl(size_t offset, uint64_t value) {
 
 uint64_t CudaIpcTransport::loadControl(int peer, size_t offset) {
   return control_.loadControl(peer, offset);
-}
-
-uint64_t CudaIpcTransport::loadLocalFlag(size_t offset) {
-  uint64_t v = 0;
-  check(cudaMemcpy(&v, at(rank_, offset), sizeof v, cudaMemcpyDeviceToHost), rank_, "flag read");
-  return v;
 }
 
 void* CudaIpcTransport::localPointer(size_t offset) { return at(rank_, offset); }

@@ -50,20 +50,17 @@ class CudaIpcTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
-  void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
-                  uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
-                  Stream stream) override;
+  void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, const void* src,
+                  size_t numel, DType dtype, double scale, Stream stream) override;
   double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
                      const std::vector<PeerRead>& reads, Stream stream) override;
-  void pushPeers(size_t offset, size_t locks_offset, size_t pushed_offset, uint64_t epoch,
-                 size_t numel, DType dtype, double scale, const std::vector<PeerPush>& pushes,
-                 Stream stream) override;
+  void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, size_t numel, DType dtype,
+                 double scale, const std::vector<PeerPush>& pushes, Stream stream) override;
   void endOp(Stream stream) override;
   void quiesce(Stream stream) override;
 
   void storeControl(size_t offset, uint64_t value) override;
   uint64_t loadControl(int peer, size_t offset) override;
-  uint64_t loadLocalFlag(size_t offset) override;
   void* localPointer(size_t offset) override;
   void zeroLocal(size_t offset, size_t bytes, Stream stream) override;
   bool peerAlive(int peer) override;
@@ -74,6 +71,8 @@ class CudaIpcTransport : public Transport {
 
  private:
   uint8_t* at(int peer, size_t offset) const;
+  // The fp32 accumulator element `elem` of the key accumulator at `accum_offset` in `peer`.
+  void* accumAt(int peer, size_t accum_offset, size_t elem, DType dtype);
   // The stream a peer's part of the current op runs on: its side stream, forked from `main`
   // at the op's first peer access, so reads from / pushes to different peers run concurrently.
   cudaStream_t peerStream(int peer, cudaStream_t main);

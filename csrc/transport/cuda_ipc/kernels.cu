@@ -111,56 +111,37 @@ __device__ __forceinline__ void red4(float* dst, float4 v) {
 #endif
 }
 
-// Eight 16-bit values (one uint4) scaled in fp32 and added with one 16-byte vector reduction.
-template <typename T2>
-__device__ __forceinline__ void red8(T2* dst, uint4 raw, float scale) {
-  T2* pairs = reinterpret_cast<T2*>(&raw);
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    if constexpr (std::is_same_v<T2, __nv_bfloat162>) {
-      const float2 f = __bfloat1622float2(pairs[p]);
-      pairs[p] = __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale));
-    } else {
-      const float2 f = __half22float2(pairs[p]);
-      pairs[p] = __float22half2_rn(make_float2(f.x * scale, f.y * scale));
-    }
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (std::is_same_v<T2, __nv_bfloat162>) {
-    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(raw.x),
-                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
-                 : "memory");
-  } else {
-    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(raw.x),
-                 "r"(raw.y), "r"(raw.z), "r"(raw.w)
-                 : "memory");
-  }
-#else
-#pragma unroll
-  for (int p = 0; p < 4; ++p) atomicAdd(dst + p, pairs[p]);
-#endif
-}
-
 template <typename T>
-__device__ __forceinline__ void addScalar(T* dst, T v, float scale) {
+__device__ __forceinline__ float toFloat(T v) {
   if constexpr (std::is_same_v<T, float>) {
-    atomicAdd(dst, v * scale);
+    return v;
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    atomicAdd(dst, __float2bfloat16(__bfloat162float(v) * scale));
+    return __bfloat162float(v);
   } else {
-    atomicAdd(dst, __float2half(__half2float(v) * scale));
+    return __half2float(v);
   }
 }
 
+// Eight 16-bit values (one uint4) widened to fp32, scaled, and added into eight fp32 accumulator
+// elements with two 16-byte vector reductions.
 template <typename T>
-__global__ void __launch_bounds__(512)
-    odcPushKernel(PushArgs a, size_t numel, float scale, uint64_t epoch) {
+__device__ __forceinline__ void red8(float* dst, uint4 raw, float scale) {
+  const T* h = reinterpret_cast<const T*>(&raw);
+  red4(dst, make_float4(toFloat(h[0]) * scale, toFloat(h[1]) * scale, toFloat(h[2]) * scale,
+                        toFloat(h[3]) * scale));
+  red4(dst + 4, make_float4(toFloat(h[4]) * scale, toFloat(h[5]) * scale, toFloat(h[6]) * scale,
+                            toFloat(h[7]) * scale));
+}
+
+// The fp32 accumulator dst[y][i] += scale * src[y][i], src in T (fp32, bf16 or fp16).
+template <typename T>
+__global__ void __launch_bounds__(512) odcPushKernel(PushArgs a, size_t numel, float scale) {
   const int y = blockIdx.y;
-  T* dst = static_cast<T*>(a.dst[y]);
+  float* dst = static_cast<float*>(a.dst[y]);
   const T* src = static_cast<const T*>(a.src[y]);
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  constexpr size_t kPerVec = 16 / sizeof(T);
+  constexpr size_t kPerVec = 16 / sizeof(T);  // source elements per 16-byte load
   size_t done = 0;
   if (aligned16(dst, src)) {
     const size_t vecs = numel / kPerVec;
@@ -183,17 +164,14 @@ __global__ void __launch_bounds__(512)
           x.z *= scale;
           x.w *= scale;
           red4(dst + i * kPerVec, x);
-        } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          red8(reinterpret_cast<__nv_bfloat162*>(dst + i * kPerVec), v[u], scale);
         } else {
-          red8(reinterpret_cast<__half2*>(dst + i * kPerVec), v[u], scale);
+          red8<T>(dst + i * kPerVec, v[u], scale);
         }
       }
     }
     done = vecs * kPerVec;
   }
-  for (size_t i = done + tid; i < numel; i += stride) addScalar(dst + i, src[i], scale);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *a.flag[y] = epoch;  // read after the barrier only
+  for (size_t i = done + tid; i < numel; i += stride) atomicAdd(dst + i, toFloat(src[i]) * scale);
 }
 
 int blocksPerEntry(int ctas, int entries, size_t work_vecs, int threads) {
@@ -220,14 +198,13 @@ void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, 
   check(cudaGetLastError(), "wait kernel launch");
 }
 
-void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
-                uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream) {
+void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
+                cudaStream_t stream) {
   PushArgs args;
   args.dst[0] = dst;
   args.src[0] = src;
-  args.flag[0] = pushed_flag;
   args.count = 1;
-  launchPushAll(args, numel, dtype, scale, epoch, 2 * sm_count, stream);
+  launchPushAll(args, numel, dtype, scale, 2 * sm_count, stream);
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
@@ -241,25 +218,25 @@ void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t
   check(cudaGetLastError(), "gather kernel launch");
 }
 
-void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, uint64_t epoch,
-                   int ctas, cudaStream_t stream) {
+void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
+                   cudaStream_t stream) {
   if (args.count == 0) return;
   constexpr int kThreads = 512;
   const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
   const dim3 grid(blocksPerEntry(ctas, args.count, numel * elem / 16, kThreads), args.count);
   switch (dtype) {
     case DType::kFloat32:
-      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
+      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     case DType::kBFloat16:
-      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
+      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     case DType::kFloat16:
-      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale, epoch);
+      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     default:
-      throw OdcError(std::string("odc: CUDA push-accumulate in ") + dtypeName(dtype) +
-                     " is not supported (fp32, bf16, fp16)");
+      throw OdcError(std::string("odc: CUDA pushes of ") + dtypeName(dtype) +
+                     " are not supported (fp32, bf16, fp16)");
   }
   check(cudaGetLastError(), "push kernel launch");
 }

@@ -22,9 +22,10 @@ void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream);
 // The per-peer operations of ODC_CUDA_FUSED=0: the kernels below with a single entry.
 void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
                 uint32_t slot, cudaStream_t stream);
-// dst[i] += scale * src[i] for i < numel, with remote reductions; then *pushed_flag = epoch.
-void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
-                uint64_t* pushed_flag, uint64_t epoch, int sm_count, cudaStream_t stream);
+// The fp32 accumulator dst[i] += scale * src[i] for i < numel (src fp32, bf16 or fp16, widened
+// in registers), with remote reductions.
+void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
+                cudaStream_t stream);
 
 // One keyed operation over several peers in one launch (blockIdx.y = entry). Up to kMaxPeers
 // entries (GPUs of one host).
@@ -37,9 +38,8 @@ struct GatherArgs {
   int count = 0;
 };
 struct PushArgs {
-  void* dst[kMaxPeers];        // the owner's accumulator (mapped, or own)
+  void* dst[kMaxPeers];        // the owner's fp32 accumulator span (mapped, or own)
   const void* src[kMaxPeers];  // the local chunk for that owner
-  uint64_t* flag[kMaxPeers];   // the owner's pushed flag
   int count = 0;
 };
 // A one-block kernel acquire-spins on every flag[y] >= value (deadline timeout_ns; on expiry
@@ -47,9 +47,9 @@ struct PushArgs {
 // copies every entry's `bytes` with 16-byte loads from the peers (8 in flight per thread).
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
                   DeviceError* error, int ctas, cudaStream_t stream);
-// dst[y][i] += scale * src[y][i] with remote vector reductions (fp32: red.v4.f32; bf16/fp16:
-// red.v4.bf16x2 / f16x2 on sm_90), then *flag[y] = epoch.
-void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, uint64_t epoch,
-                   int ctas, cudaStream_t stream);
+// dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
+// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).
+void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
+                   cudaStream_t stream);
 
 }  // namespace torch_odc::cuda_ipc

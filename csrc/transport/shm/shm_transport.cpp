@@ -6,9 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -30,14 +30,6 @@ float bf16ToFloat(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-uint16_t floatToBf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 float halfToFloat(uint16_t h) {
@@ -67,39 +59,13 @@ float halfToFloat(uint16_t h) {
   return f;
 }
 
-uint16_t floatToHalf(float f) {  // round to nearest even
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u)
-    return static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0));
-  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow to inf
-  if (x < 0x38800000u) {                                               // subnormal or zero
-    if (x < 0x33000000u) return static_cast<uint16_t>(sign);
-    // value = m * 2^(e - 150) = res * 2^-24  =>  res = m >> (126 - e)
-    const uint32_t e = x >> 23;
-    const uint32_t m = (x & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - e;
-    const uint32_t rem = m & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    uint32_t res = m >> shift;
-    if (rem > half || (rem == half && (res & 1))) ++res;
-    return static_cast<uint16_t>(sign | res);
-  }
-  uint32_t res = ((x >> 13) - (112u << 10));
-  const uint32_t rem = x & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (res & 1))) ++res;
-  return static_cast<uint16_t>(sign | res);
-}
-
-// dst += src * scale over 16-bit floats, added in fp32 and rounded once per element.
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+// fp32 dst += widened 16-bit src * scale.
+template <float (*ToFloat)(uint16_t)>
 void accumulate16(void* dst, const void* src, size_t numel, double scale) {
-  auto* d = static_cast<uint16_t*>(dst);
+  auto* d = static_cast<float*>(dst);
   const auto* s = static_cast<const uint16_t*>(src);
   const float f = static_cast<float>(scale);
-  for (size_t i = 0; i < numel; ++i) d[i] = FromFloat(ToFloat(d[i]) + ToFloat(s[i]) * f);
+  for (size_t i = 0; i < numel; ++i) d[i] += ToFloat(s[i]) * f;
 }
 
 }  // namespace
@@ -124,15 +90,15 @@ void accumulateCpu(void* dst, const void* src, size_t numel, DType dtype, double
       return;
     }
     case DType::kBFloat16:
-      accumulate16<bf16ToFloat, floatToBf16>(dst, src, numel, scale);
+      accumulate16<bf16ToFloat>(dst, src, numel, scale);
       return;
     case DType::kFloat16:
-      accumulate16<halfToFloat, floatToHalf>(dst, src, numel, scale);
+      accumulate16<halfToFloat>(dst, src, numel, scale);
       return;
     case DType::kByte:
       break;
   }
-  throw OdcError(std::string("odc: accumulation in ") + dtypeName(dtype) + " is not supported");
+  throw OdcError(std::string("odc: pushes of ") + dtypeName(dtype) + " are not supported");
 }
 
 ShmTransport::ShmTransport(int rank, int world)
@@ -240,18 +206,23 @@ void ShmTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream
   std::memcpy(dst, at(peer, offset), bytes);
 }
 
-void ShmTransport::accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
-                              uint64_t epoch, const void* src, size_t numel, DType dtype,
-                              double scale, Stream) {
-  const size_t esize = elementSize(dtype);
-  uint8_t* dst = at(peer, offset);
+void ShmTransport::accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset,
+                              const void* src, size_t numel, DType dtype, double scale, Stream) {
+  if (numel == 0) return;
+  constexpr size_t kBlock = RegionLayout::kLockBlockElems;
+  const size_t src_size = elementSize(dtype);
+  const size_t acc_size = elementSize(accumDtypeFor(dtype));
+  uint8_t* acc = at(peer, accum_offset);
   const auto* s = static_cast<const uint8_t*>(src);
-  const size_t blocks = (numel + RegionLayout::kLockBlockElems - 1) / RegionLayout::kLockBlockElems;
+  // Lock blocks are fixed per accumulator (counted from its first element), whatever span a push
+  // covers, so two pushes that overlap always take the same lock for the same elements.
+  const size_t first_block = elem / kBlock;
+  const size_t blocks = (elem + numel - 1) / kBlock - first_block + 1;
   // Start at a rank-dependent block so concurrent pushers spread over the lock words.
   for (size_t i = 0; i < blocks; ++i) {
-    const size_t b = (i + static_cast<size_t>(rank_)) % blocks;
-    const size_t begin = b * RegionLayout::kLockBlockElems;
-    const size_t n = std::min(RegionLayout::kLockBlockElems, numel - begin);
+    const size_t b = first_block + (i + static_cast<size_t>(rank_)) % blocks;
+    const size_t begin = std::max(elem, b * kBlock);
+    const size_t n = std::min(elem + numel, (b + 1) * kBlock) - begin;
     auto* lock = atomic32(at(peer, locks_offset + b * sizeof(uint32_t)));
     uint32_t expected = 0;
     int spins = 0;
@@ -260,10 +231,9 @@ void ShmTransport::accumulate(int peer, size_t offset, size_t locks_offset, size
       expected = 0;
       if (++spins > 64) std::this_thread::yield();
     }
-    accumulateCpu(dst + begin * esize, s + begin * esize, n, dtype, scale);
+    accumulateCpu(acc + begin * acc_size, s + (begin - elem) * src_size, n, dtype, scale);
     lock->store(0, std::memory_order_release);
   }
-  atomic64(at(peer, pushed_offset))->store(epoch, std::memory_order_release);
 }
 
 void ShmTransport::quiesce(Stream) { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -274,10 +244,6 @@ void ShmTransport::storeControl(size_t offset, uint64_t value) {
 
 uint64_t ShmTransport::loadControl(int peer, size_t offset) {
   return atomic64(at(peer, offset))->load(std::memory_order_acquire);
-}
-
-uint64_t ShmTransport::loadLocalFlag(size_t offset) {
-  return atomic64(at(rank_, offset))->load(std::memory_order_acquire);
 }
 
 void* ShmTransport::localPointer(size_t offset) { return at(rank_, offset); }

@@ -32,14 +32,12 @@ class ShmTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
-  void accumulate(int peer, size_t offset, size_t locks_offset, size_t pushed_offset,
-                  uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
-                  Stream stream) override;
+  void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, const void* src,
+                  size_t numel, DType dtype, double scale, Stream stream) override;
   void quiesce(Stream stream) override;
 
   void storeControl(size_t offset, uint64_t value) override;
   uint64_t loadControl(int peer, size_t offset) override;
-  uint64_t loadLocalFlag(size_t offset) override;
   void* localPointer(size_t offset) override;
   void zeroLocal(size_t offset, size_t bytes, Stream stream) override;
   bool peerAlive(int peer) override;
@@ -58,6 +56,7 @@ class ShmTransport : public Transport {
 };
 
 // Adds scale * src into dst elementwise, for the reduce dtypes (float math, rounded once).
+// dst[i] += scale * src[i]: dst in accumDtypeFor(dtype), src in dtype.
 void accumulateCpu(void* dst, const void* src, size_t numel, DType dtype, double scale);
 
 }  // namespace torch_odc

@@ -1,0 +1,210 @@
+"""Every FSDP2 internal that torch-odc reads, in one place.
+
+The rest of the package uses only this module and FSDP2's public API (``fully_shard``,
+``FSDPModule`` and its ``set_*`` / ``unshard`` / ``reshard`` methods). Porting to a new torch
+release means reading this file against that release's ``torch/distributed/fsdp/_fully_shard``.
+Accessors prefer feature detection (``getattr`` with the older spelling as the fallback) over
+version comparisons. Supported and tested: torch 2.11 through 2.15.
+
+What is read, and how it differs between 2.11 and 2.15:
+
+* a module's param group: ``FSDPState._fsdp_param_group`` (2.11) vs the list
+  ``FSDPState._fsdp_param_groups`` (2.15; several groups only with per-parameter meshes from
+  ``shard_placement_fn``, which we refuse);
+* per parameter (``FSDPParam``): ``sharded_param``, ``padded_sharded_param_size``,
+  ``sharded_size``, ``contiguous_sharded_stride``, ``to_sharded_dtensor``, ``orig_dtype``,
+  ``param_dtype``, ``fsdp_placement``, ``offload_to_cpu``, ``_unsharded_param``: the same in both;
+  the sharded gradient's dtype is ``sharded_grad_dtype`` in 2.15 (a per-parameter policy) and
+  ``orig_dtype`` in 2.11;
+* mixed precision: 2.11 keeps the policy on the group (``FSDPParamGroup.mp_policy``) and clamps
+  ``FSDPParam.reduce_dtype`` to None when it equals the parameter dtype; 2.15 keeps a resolved
+  policy per parameter (``FSDPParam.mp_policy``, the group attribute is gone) and may pick the
+  reduce dtype per backward. ``FSDPParam.param_dtype``/``orig_dtype`` exist only after FSDP2's
+  lazy init (the first forward), after attach. We read the policy's ``param_dtype`` (the
+  all-gather dtype) and take the reduce dtype from each reduce-scatter's input, so neither
+  difference matters;
+* the order of parameters in the reduce-scatter input: ``fsdp_params`` order (2.11) vs
+  ``FSDPParamGroup._reduce_scatter_param_indices`` (2.15: grouped by gradient dtype);
+* divide factors: ``FSDPParamGroup.gradient_divide_factor`` and
+  ``force_sum_reduction_for_comms`` fed to ``_fsdp_collectives._get_gradient_divide_factors``
+  (same signature in both; 2.15 spells PREMUL_SUM as ``ReduceOp.PREMUL_SUM(f)``, 2.11 as
+  ``_make_nccl_premul_sum(f)``, both reach the backend as a PreMulSumSupplement);
+* ``FSDPParamGroup.reduce_scatter_unused_params`` (2.15 only; False when absent);
+* mesh: ``mesh_info`` (``HSDPMeshInfo`` / ``DDPMeshInfo`` mean replication),
+  ``mesh_info.shard_process_group``, ``post_forward_mesh_info`` (``reshard_after_forward=int``);
+* the comm objects in place before attach: ``_all_gather_comm`` / ``_reduce_scatter_comm``, and
+  the comm base classes ``_fsdp_api.AllGather`` / ``ReduceScatter``;
+* a parameter's name in its module: ``FSDPParam._module_info.param_name`` (for messages only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+# The comm interfaces of set_custom_all_gather / set_custom_reduce_scatter (public methods whose
+# base classes live in a private module in both 2.11 and 2.15).
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: F401
+
+
+@dataclass
+class Unit:
+    """One FSDP2 module with parameters of its own: one key of the engine."""
+
+    name: str
+    module: FSDPModule
+    group: object  # FSDPParamGroup
+    params: list  # FSDPParam, in the group's order
+
+
+class Unsupported(NotImplementedError):
+    pass
+
+
+def _param_group(module: FSDPModule):
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch 2.11
+        return state._fsdp_param_group
+    if len(groups) > 1:
+        raise Unsupported(
+            "several parameter groups in one module (per-parameter meshes from "
+            "shard_placement_fn) are not supported"
+        )
+    return groups[0] if groups else None
+
+
+def units(model: torch.nn.Module) -> list[Unit]:
+    """Every FSDP2 module of `model` that owns parameters, in `named_modules` order (the same
+    on every rank for the same model). Raises `Unsupported` naming the module."""
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        name = name or "<root>"
+        try:
+            group = _param_group(module)
+        except Unsupported as e:
+            raise Unsupported(f"module '{name}': {e}") from None
+        if group is not None:  # a module that owns no parameters never communicates
+            out.append(Unit(name, module, group, list(group.fsdp_params)))
+    return out
+
+
+def unsupported_reason(unit: Unit) -> str | None:
+    """What in this unit's FSDP2 configuration on-demand mode cannot serve exactly, or None."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    group = unit.group
+    if isinstance(group.mesh_info, DDPMeshInfo):  # HSDPMeshInfo derives from it
+        return "HSDP (a 2-D mesh with replication) is not supported yet"
+    post = group.post_forward_mesh_info
+    if post is not None and post is not group.mesh_info:
+        return ("reshard_after_forward=<int> (resharding to a smaller group after forward) is not "
+                "supported; use True or False")
+    for fp in unit.params:
+        if getattr(fp, "offload_to_cpu", False):
+            return "CPU offload (CPUOffloadPolicy) is not supported"
+        if fp.fsdp_placement.dim != 0:
+            return f"sharding on dim {fp.fsdp_placement.dim} (shard_placement_fn) is not supported"
+        if hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather"):
+            return "tensor subclasses with fsdp_pre_all_gather extensions are not supported"
+        if getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None):
+            return ("post-accumulate-grad hooks on sharded parameters (optimizer in backward) are "
+                    "not supported: gradients arrive at minibatch_barrier(), not in backward")
+    if len({gather_dtype(unit, fp) for fp in unit.params}) > 1:
+        return "parameters all-gathered in different dtypes (param_dtype_override_fn)"
+    return None
+
+
+def shard_group(unit: Unit):
+    return unit.group.mesh_info.shard_process_group
+
+
+def device(unit: Unit) -> torch.device:
+    return unit.group.device
+
+
+def gather_dtype(unit: Unit, fp) -> torch.dtype:
+    """The dtype FSDP2 all-gathers this parameter in (the mixed-precision param dtype). Known
+    before FSDP2's lazy init (the first forward), which is when attach runs."""
+    if "param_dtype" in fp.__dict__:  # set by FSDP2's lazy init
+        return fp.param_dtype or fp.orig_dtype
+    policy = getattr(fp, "mp_policy", None) or unit.group.mp_policy  # 2.15: per parameter
+    dtype = fp.sharded_param.dtype
+    wanted = policy.param_dtype
+    return wanted if wanted is not None and dtype.is_floating_point else dtype
+
+
+def grad_dtype(fp) -> torch.dtype:
+    """The dtype of the sharded gradient FSDP2 leaves in ``.grad``."""
+    return getattr(fp, "sharded_grad_dtype", None) or fp.orig_dtype
+
+
+def trainable(fp) -> bool:
+    return fp.sharded_param.requires_grad
+
+
+def padded_shard_numel(fp) -> int:
+    """Elements of this rank's (dim-0 padded) shard: its span in the flat all-gather input and
+    in each rank's chunk of the reduce-scatter input."""
+    return fp.padded_sharded_param_size.numel()
+
+
+def shard_view(fp, flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """This parameter's sharded gradient, a view of `flat` starting at element `offset`."""
+    return torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
+                            storage_offset=flat.storage_offset() + offset)
+
+
+def add_grad(fp, grad: torch.Tensor) -> None:
+    """Sets or adds to the sharded ``.grad`` exactly as FSDP2's post-backward does."""
+    param = fp.sharded_param
+    if param.grad is None:
+        param.grad = fp.to_sharded_dtensor(grad)
+    else:
+        param.grad._local_tensor += grad
+
+
+def param_name(fp) -> str | None:
+    """The parameter's attribute name in its module (for messages), if FSDP2 records it."""
+    return getattr(getattr(fp, "_module_info", None), "param_name", None)
+
+
+def unsharded_param(fp):
+    """The unsharded parameter autograd accumulates into, or None before the first all-gather.
+    FSDP2 creates it once and reuses it (its storage is freed and reallocated)."""
+    return fp.__dict__.get("_unsharded_param")
+
+
+def reduce_scatter_order(unit: Unit) -> list[int]:
+    """Indices into `unit.params` in the order FSDP2 lays out the reduce-scatter input."""
+    order = getattr(unit.group, "_reduce_scatter_param_indices", None)
+    return list(order) if order else list(range(len(unit.params)))
+
+
+def reduces_unused_params(unit: Unit) -> bool:
+    """Whether FSDP2 reduce-scatters zeros for trainable parameters without a gradient."""
+    return bool(getattr(unit.group, "reduce_scatter_unused_params", False))
+
+
+def post_divide_factor(unit: Unit, reduce_dtype: torch.dtype) -> float:
+    """The factor FSDP2 divides the reduce-scatter output by after the collective (1.0 if none):
+    what a divide factor, fp16 reduction or force-sum leaves for after the reduction."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    group = unit.group
+    _, post, _, _ = _get_gradient_divide_factors(
+        shard_group(unit), None, reduce_dtype, device(unit).type,
+        group.gradient_divide_factor, group.force_sum_reduction_for_comms,
+    )
+    return float(post) if post is not None else 1.0
+
+
+def comms(unit: Unit):
+    """The all-gather and reduce-scatter comm objects installed on this unit now."""
+    return unit.group._all_gather_comm, unit.group._reduce_scatter_comm

@@ -6,11 +6,12 @@ root, LB-Mini microbatch plans on variable-length sequences, bf16 mixed precisio
     torchrun --nproc-per-node 2 docs/examples/hf_lora_sft.py --no-attach      # FSDP2 collectives
 
 The model is a ``LlamaForCausalLM`` built from a config (random initialization, nothing
-downloaded) with ``peft`` LoRA adapters on the attention projections; the data are random token
-sequences of random lengths. Each minibatch is the same list of sequences on every rank (drawn
-from a shared seed), so ``torch_odc.balance.plan_for_rank`` gives every rank its microbatches and
-the global token count without communication. Ranks run different numbers of microbatches (zero
-included) and meet once per minibatch in ``torch_odc.minibatch_barrier()``.
+downloaded) with ``peft`` LoRA adapters on the attention projections; the data are token
+sequences of random lengths (arithmetic progressions, so the loss can go down). Each minibatch is
+the same list of sequences on every rank (drawn from a shared seed), so
+``torch_odc.balance.plan_for_rank`` gives every rank its microbatches and the global token count
+without communication. Ranks run different numbers of microbatches (zero included) and meet once
+per minibatch in ``torch_odc.minibatch_barrier()``.
 
 Needs ``transformers`` and ``peft`` (versions tested: see docs/integrations.md). GPUs: one per
 rank, or ranks sharing one GPU (CUDA IPC works between processes on the same device). Without
@@ -87,11 +88,15 @@ def shard(model, mesh, bf16: bool):
 
 
 def minibatch(index: int, count: int, vocab: int, min_len: int, max_len: int, seed: int = 0):
-    """The minibatch's sequences (1-D token tensors), identical on every rank."""
+    """The minibatch's sequences (1-D token tensors), identical on every rank: arithmetic
+    progressions modulo the vocabulary with a random start and step, so that the next token is
+    learnable from the two before it and the loss goes down."""
     rng = random.Random(f"hf_lora_sft:{seed}:{index}")
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    lengths = [rng.randint(min_len, max_len) for _ in range(count)]
-    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    seqs = []
+    for _ in range(count):
+        n, start, step = rng.randint(min_len, max_len), rng.randrange(vocab), rng.randrange(1, 8)
+        seqs.append((start + step * torch.arange(n)) % vocab)
+    return seqs
 
 
 def collate(seqs, device):
@@ -203,7 +208,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=120)
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--no-lora", action="store_true", help="train every weight instead")
     ap.add_argument("--no-attach", action="store_true", help="plain FSDP2 collectives")
     args = ap.parse_args()

@@ -2,7 +2,8 @@
 this rank's microbatches and the global token count, the same on every rank with no
 communication; and, on real ranks under ODC, that scaling each microbatch's summed loss by
 RankPlan.loss_scale trains exactly like one process on the token mean of the whole minibatch,
-with FSDP2's default division and with torchtitan's set_gradient_divide_factor(1.0)."""
+with FSDP2's default division, with torchtitan's set_gradient_divide_factor(1.0) and with the
+gradient reduction deferred to each rank's last microbatch."""
 
 import warnings
 
@@ -104,7 +105,7 @@ SEQUENCES = [5, 2, 7]
 CAP = 60  # tokens per microbatch: several sequences share a microbatch, counts differ per rank
 
 
-def _train_with_plan_for_rank(rank, world, divide_factor):
+def _train_with_plan_for_rank(rank, world, divide_factor, defer_sync):
     import torch.distributed as dist
     from odc_training import loss_of
     from torch.distributed.fsdp import FSDPModule
@@ -125,7 +126,9 @@ def _train_with_plan_for_rank(rank, world, divide_factor):
         share = balance.plan_for_rank(lengths, world, rank, CAP)
         scale = share.loss_scale(divide_factor)
         counts.append(len(share.microbatches))
-        for micro in share.microbatches:
+        for j, micro in enumerate(share.microbatches):
+            # verl's and HF Trainer's default: no gradient reduction before the last microbatch
+            model.set_requires_gradient_sync(not defer_sync or j == len(share.microbatches) - 1)
             (sum(loss_of(model, seqs[i]) for i in micro) * scale).backward()
         torch_odc.minibatch_barrier()
         opt.step()
@@ -136,12 +139,19 @@ def _train_with_plan_for_rank(rank, world, divide_factor):
     return full, counts
 
 
-@pytest.mark.parametrize("divide_factor", [None, 1.0], ids=["fsdp2-avg", "divide-factor-1"])
-def test_plan_for_rank_and_loss_scale_train_like_one_process(divide_factor):
-    results = run_ranks(3, _train_with_plan_for_rank, divide_factor)
+@pytest.mark.parametrize(
+    "divide_factor,defer_sync",
+    [(None, False), (1.0, False), (None, True)],
+    ids=["fsdp2-avg", "divide-factor-1", "sync-at-last-microbatch"],
+)
+def test_plan_for_rank_and_loss_scale_train_like_one_process(divide_factor, defer_sync):
+    """torchtitan sets the divide factor to 1.0; verl and HF Trainer skip the gradient
+    reduction (set_requires_gradient_sync(False)) on all but each rank's last microbatch."""
+    results = run_ranks(3, _train_with_plan_for_rank, divide_factor, defer_sync)
     counts = [c for _, c in results]
     assert any(c[1] == 0 for c in counts), counts  # a rank without microbatches
     assert len({tuple(c) for c in counts}) > 1, counts  # ranks ran different numbers
+    assert max(max(c) for c in counts) >= 2, counts  # some rank accumulated (deferred sync)
     want = reference([[n] for n in SEQUENCES], False, LR)
     init = make_model(False).state_dict()
     for rank, (params, _) in enumerate(results):

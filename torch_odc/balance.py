@@ -31,9 +31,11 @@ __all__ = [
     "BalancedBatchSampler",
     "OversizedSequenceWarning",
     "Plan",
+    "RankPlan",
     "TimeCost",
     "flops_cost",
     "plan",
+    "plan_for_rank",
 ]
 
 CostSpec = str | Callable[[int], float]
@@ -447,3 +449,103 @@ class BalancedBatchSampler:
                 tuple(indices[i] for i in local.oversized),
             )
             yield global_mbs[self.rank]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of a planned minibatch: what a training loop needs per minibatch.
+
+    Attributes:
+        microbatches: this rank's microbatches, each a list of indices into the planned
+            ``lengths`` (``plan.microbatches[rank]``); empty when this rank has no sequence.
+        num_tokens: the minibatch's loss tokens over all ranks: ``sum(loss_tokens)`` (by default
+            ``sum(lengths)``). The denominator of a token-mean loss; identical on every rank.
+        rank: the rank this share is for.
+        plan: the whole :class:`Plan` (identical on every rank).
+    """
+
+    microbatches: list
+    num_tokens: int
+    rank: int
+    plan: Plan
+
+    @property
+    def indices(self) -> list:
+        """This rank's sequences, microbatch by microbatch."""
+        return [i for mb in self.microbatches for i in mb]
+
+    def loss_scale(self, gradient_divide_factor: float | None = None) -> float:
+        """The factor for a microbatch's *summed* token loss that makes the reduced gradient the
+        gradient of the token mean over the whole minibatch (``num_tokens``).
+
+        FSDP2 divides the summed gradient by its gradient divide factor: the shard group size by
+        default (``ReduceOp.AVG``, pass None), or what ``set_gradient_divide_factor`` set (pass
+        it; torchtitan sets 1.0). ODC applies the same division. 0.0 when ``num_tokens`` is 0.
+        """
+        factor = self.plan.world_size if gradient_divide_factor is None else gradient_divide_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not factor > 0:
+            raise ValueError(f"gradient_divide_factor must be a positive number, got {factor!r}")
+        return float(factor) / self.num_tokens if self.num_tokens else 0.0
+
+
+def plan_for_rank(
+    lengths: Sequence[int],
+    world_size: int,
+    rank: int,
+    max_tokens_per_microbatch: int,
+    mode: str = "mini",
+    cost: CostSpec = "tokens",
+    *,
+    loss_tokens: Sequence[int] | None = None,
+    **cost_args,
+) -> RankPlan:
+    """Plans one minibatch and returns this rank's microbatches and the global token count.
+
+    Every rank calls it with the same arguments but its own ``rank``: the plan depends only on
+    the inputs, so every rank computes the same global plan and the same ``num_tokens`` with no
+    communication. That needs the minibatch's lengths (and ``loss_tokens``) of *all* ranks on
+    every rank, as a sampler that draws the minibatch from a shared seed has them. A rank that
+    only knows its own sequences must gather the lengths first (one
+    ``all_gather_object`` per minibatch) and then move sequences to the ranks the plan names.
+
+    Args:
+        lengths, world_size, max_tokens_per_microbatch, mode, cost, cost_args: as in
+            :func:`plan`.
+        rank: this rank, ``0 <= rank < world_size``.
+        loss_tokens: per sequence, the number of tokens its loss is summed over (labels not
+            ignored, e.g. ``length - 1`` for next-token prediction, or the response tokens in
+            RL); defaults to ``lengths``. Only ``num_tokens`` uses it.
+
+    Returns:
+        A :class:`RankPlan`. Scale each microbatch's summed token loss by
+        :meth:`RankPlan.loss_scale` and the gradients after ``torch_odc.minibatch_barrier()``
+        are those of the token-mean loss over the whole minibatch, however the sequences were
+        spread over ranks and microbatches.
+    """
+    lens = _lengths_array(lengths)
+    world_size = _check_positive_int(world_size, "world_size")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    cap = _check_positive_int(max_tokens_per_microbatch, "max_tokens_per_microbatch")
+    mode = _check_mode(mode)
+    if loss_tokens is None:
+        num_tokens = sum(lens)
+    else:
+        counts = loss_tokens.tolist() if hasattr(loss_tokens, "tolist") else list(loss_tokens)
+        if len(counts) != len(lens):
+            raise ValueError(
+                f"loss_tokens has {len(counts)} entries for {len(lens)} sequences"
+            )
+        for i, v in enumerate(counts):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"loss_tokens must be integers, got {v!r} at index {i}")
+            if v < 0:
+                raise ValueError(f"loss_tokens must be >= 0, got {v} at index {i}")
+        num_tokens = int(sum(counts))
+    costs = _cost_array(lens, cost, cost_args)
+    result = _plan_arrays(lens, costs, world_size, cap, mode)
+    if result.oversized and cap > 1:
+        _warn_oversized(len(result.oversized), cap, stacklevel=2)
+    return RankPlan(result.microbatches[rank], num_tokens, int(rank), result)

@@ -241,6 +241,8 @@ class Handle:
             id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]
         ):
             return
+        if all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups):
+            return  # changes no parameter: e.g. DCP's optimizer-state initialization
         if not self._barrier_done or id(optimizer) in self._stepped:
             raise RuntimeError(
                 f"torch_odc: {self._where()}: optimizer.step() without "

@@ -1,0 +1,417 @@
+"""Conformance: FSDP2 + torch_odc.attach gives exactly FSDP2's training in every configuration
+post-training uses, or refuses at attach with a clear error.
+
+Every case trains a small model over several minibatches with per-rank microbatch counts that
+differ (zero included) and compares the final parameters with a single process trained in
+float64 on the union of all ranks' samples, with the gradient FSDP2 would compute (its divide
+factor included). The configurations: reduce dtype fp32 / bf16 / fp16, custom divide factors and
+force-sum, frozen (LoRA-style) and conditionally used parameters, no-sync microbatches, gradient
+clipping, tied weights, a DCP checkpoint mid-training with re-attach. 16-bit accumulation over
+many microbatches is compared with FSDP2's own error. Options that on-demand mode cannot serve
+are refused at attach; misuse raises before anything changes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from multiproc import run_ranks
+from torch import nn
+
+VOCAB, DIM, LAYERS, MAXLEN, RANK = 37, 12, 2, 14, 3
+LR = 0.2
+REL16 = 0.03
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+PLANS = {
+    2: [[2, 1], [0, 3], [1, 2], [3, 0]],
+    4: [[1, 2, 0, 3], [3, 0, 1, 1], [0, 0, 2, 1]],
+}
+
+
+class Block(nn.Module):
+    def __init__(self, lora: bool, branch: bool):
+        super().__init__()
+        self.lin1 = nn.Linear(DIM, DIM)
+        self.lin2 = nn.Linear(DIM, DIM)
+        self.lora_a = self.lora_b = None
+        if lora:  # frozen base weights and trainable adapters under one fully_shard
+            for p in (*self.lin1.parameters(), *self.lin2.parameters()):
+                p.requires_grad_(False)
+            self.lora_a = nn.Parameter(torch.randn(RANK, DIM) * 0.3)
+            self.lora_b = nn.Parameter(torch.randn(DIM, RANK) * 0.3)
+        # Used only for some samples: gets no gradient in some microbatches and on some ranks.
+        self.branch = nn.Linear(DIM, DIM) if branch else None
+
+    def forward(self, x, use_branch: bool):
+        h = self.lin1(x)
+        if self.lora_a is not None:
+            h = h + (x @ self.lora_a.t()) @ self.lora_b.t()
+        h = torch.tanh(h)
+        if self.branch is not None and use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return x + self.lin2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, lora=False, branch=False, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(lora, branch) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        if lora:
+            self.emb.weight.requires_grad_(False)
+            self.head.weight.requires_grad_(False)
+
+    def forward(self, tokens):
+        use_branch = tokens.shape[1] % 3 == 0
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x, use_branch)
+        return self.head(x)
+
+
+def make_model(cfg) -> Net:
+    torch.manual_seed(4321)
+    return Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False))
+
+
+def samples(minibatch: int, count: int, seed: int = 11) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 1000 * minibatch)
+    lengths = torch.randint(3, MAXLEN, (count,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (1, n + 1), generator=gen) for n in lengths]
+
+
+def loss_of(model, seq):
+    logits = model(seq[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum")
+
+
+def divide_factor(cfg, world) -> float:
+    return cfg.get("divide_factor") or float(world)
+
+
+def reference(cfg, plan, world) -> dict:
+    """One process in float64: each minibatch's gradient is FSDP2's (the per-rank losses below
+    summed over ranks, divided by the divide factor)."""
+    model = make_model(cfg).double()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    scale = world / divide_factor(cfg, world)
+    for mb, counts in enumerate(plan):
+        seqs = samples(mb, sum(counts))
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        for seq in seqs:
+            (loss_of(model, seq) * scale / tokens).backward()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+def sharded(cfg, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model(cfg)
+    kwargs = {"mesh": init_device_mesh("cpu", (world,)),
+              "reshard_after_forward": cfg.get("reshard_after_forward", True)}
+    if cfg.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cfg["mp"][0],
+                                                   reduce_dtype=cfg["mp"][1])
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if cfg.get("divide_factor") and hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(cfg["divide_factor"])
+        if cfg.get("force_sum") and hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def train(rank, world, cfg, plan):
+    """FSDP2 + attach; rank r runs plan[mb][r] microbatches of minibatch mb. Returns the full
+    parameters at the end."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import torch_odc
+
+    def build():
+        model = sharded(cfg, world)
+        handle = torch_odc.attach(model) if cfg.get("attach", True) else None
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
+                              momentum=0.9)
+        return model, handle, opt
+
+    model, handle, opt = build()
+    for mb, counts in enumerate(plan):
+        seqs = samples(mb, sum(counts))
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        start = sum(counts[:rank])
+        mine = seqs[start:start + counts[rank]]
+        for i, seq in enumerate(mine):
+            if cfg.get("no_sync"):  # FSDP2's gradient accumulation without communication
+                model.set_requires_gradient_sync(i == len(mine) - 1)
+            (loss_of(model, seq) * world / tokens).backward()
+        if handle is not None:
+            torch_odc.minibatch_barrier()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+        opt.step()
+        opt.zero_grad()
+        if cfg.get("dcp") and mb == 0:  # checkpoint, start over from it, re-attach
+            path = os.path.join(cfg["dcp"], "ckpt")
+            dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=path)
+            if handle is not None:
+                handle.detach()
+            model, handle, opt = build()
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+    full = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
+    if handle is not None:
+        handle.detach()
+    return full
+
+
+CASES = {
+    # name: (config, world, tolerance against the float64 reference). fp32: absolute, on every
+    # parameter. 16-bit compute: relative to the largest parameter update (bf16 has 3 digits).
+    "fp32-w2": ({}, 2, 2e-5),
+    "fp32-w4": ({}, 4, 2e-5),
+    "bf16-reduce-fp32": ({"mp": (BF16, FP32)}, 2, REL16),
+    "bf16-reduce-bf16": ({"mp": (BF16, None)}, 4, REL16),
+    "fp16-reduce-fp16": ({"mp": (FP16, None)}, 4, REL16),
+    "divide-factor-1": ({"divide_factor": 1.0}, 2, 2e-5),
+    "divide-factor-3-w4": ({"divide_factor": 3.0}, 4, 2e-5),
+    "force-sum": ({"force_sum": True}, 4, 2e-5),
+    "fp16-divide-factor-2": ({"mp": (FP16, None), "divide_factor": 2.0}, 4, REL16),
+    "lora-frozen": ({"lora": True}, 2, 2e-5),
+    "lora-frozen-bf16": ({"lora": True, "mp": (BF16, FP32)}, 4, REL16),
+    "conditional-params": ({"branch": True}, 2, 2e-5),
+    "conditional-params-w4": ({"branch": True}, 4, 2e-5),
+    "no-sync": ({"no_sync": True, "branch": True}, 2, 2e-5),
+    "clip": ({"clip": 0.05}, 2, 2e-5),
+    "tied-weights": ({"tied": True}, 2, 2e-5),
+    "no-reshard": ({"reshard_after_forward": False, "branch": True}, 2, 2e-5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_odc_equals_reference(name):
+    cfg, world, tol = CASES[name]
+    plan = PLANS[world]
+    results = run_ranks(world, train, cfg, plan)
+    want = reference(cfg, plan, world)
+    init = {k: v.float() for k, v in make_model(cfg).state_dict().items()}
+    moved = max((ref - init[k]).abs().max().item() for k, ref in want.items())
+    atol = tol * moved if tol == REL16 else tol
+    assert moved > 20 * atol, "the reference barely moved: the comparison would prove nothing"
+    for rank, got in enumerate(results):
+        err = max((got[k] - ref).abs().max().item() for k, ref in want.items())
+        print(f"{name} rank {rank}: max |ODC - reference| {err:.2e} (largest update {moved:.2e})")
+        for key, ref in want.items():
+            torch.testing.assert_close(got[key], ref, rtol=0, atol=atol,
+                                       msg=lambda m, k=key, r=rank: f"{name} rank {r} {k}: {m}")
+            if cfg.get("lora") and "lora_" not in key:
+                assert torch.equal(got[key], init[key]), f"frozen {key} changed"
+
+
+def test_dcp_checkpoint_and_reattach_mid_training():
+    with tempfile.TemporaryDirectory(prefix="odc-dcp-") as tmp:
+        cfg = {"dcp": tmp, "branch": True}
+        results = run_ranks(2, train, cfg, PLANS[2])
+    want = reference(cfg, PLANS[2], 2)
+    for got in results:
+        for key, ref in want.items():
+            torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
+
+
+def _grads_after_one_minibatch(rank, world, cfg, count):
+    """One minibatch of `count` microbatches per rank; this rank's full gradients (an
+    all-gather of the sharded .grad), under ODC or FSDP2's collectives."""
+    import torch_odc
+
+    model = sharded(cfg, world)
+    handle = torch_odc.attach(model) if cfg["attach"] else None
+    seqs = samples(0, world * count, seed=5)
+    tokens = sum(s.shape[1] - 1 for s in seqs)
+    for seq in seqs[rank * count:(rank + 1) * count]:
+        (loss_of(model, seq) * world / tokens).backward()
+    if handle is not None:
+        torch_odc.minibatch_barrier()
+    grads = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
+    if handle is not None:
+        handle.detach()
+    return grads
+
+
+def _reference_grads(world, count, mp_dtype):
+    """float64 gradients of the same minibatch, the model's compute in `mp_dtype` as under
+    FSDP2's mixed precision (only the reduction and accumulation differ)."""
+    model = make_model({}).to(mp_dtype)
+    seqs = samples(0, world * count, seed=5)
+    tokens = sum(s.shape[1] - 1 for s in seqs)
+    grads = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    for seq in seqs:
+        model.zero_grad()
+        (loss_of(model, seq) / tokens).backward()
+        for n, p in model.named_parameters():
+            grads[n] += p.grad.double()
+    return grads
+
+
+@pytest.mark.parametrize("mp_dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_16bit_reduction_over_many_microbatches_is_no_less_precise_than_fsdp2(mp_dtype):
+    """128 microbatches per rank, reduce dtype = param dtype (16-bit): FSDP2 reduces each
+    microbatch in 16 bits and accumulates .grad in fp32; ODC widens every push into an fp32
+    accumulator and rounds once. Its error must not exceed FSDP2's."""
+    world, count = 2, 128
+    want = _reference_grads(world, count, mp_dtype)
+
+    def error(grads):
+        num = sum(((grads[n] - want[n]) ** 2).sum() for n in want)
+        return (num / sum((want[n] ** 2).sum() for n in want)).sqrt().item()
+
+    errors = {}
+    for attach in (True, False):
+        cfg = {"mp": (mp_dtype, None), "attach": attach}
+        errors[attach] = error(run_ranks(world, _grads_after_one_minibatch, cfg, count)[0])
+    odc, fsdp2 = errors[True], errors[False]
+    print(f"relative gradient error, {count} microbatches per rank: ODC {odc:.2e}, "
+          f"FSDP2 {fsdp2:.2e}")
+    assert odc <= fsdp2 * 1.05 + 1e-7, (odc, fsdp2)
+
+
+# ---- options that on-demand mode refuses at attach, and misuse -------------------------------
+
+
+def _attach_error(rank, world, kind):
+    import torch_odc
+
+    cfg = {"reshard_after_forward": 2} if kind == "reshard-int" else {}
+    model = sharded(cfg, world)
+    if kind == "optimizer-in-backward":
+        model.blocks[0].lin1.weight.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        torch_odc.attach(model)
+    except NotImplementedError as err:
+        return str(err)
+    return "attached"
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("reshard-int", "reshard_after_forward=<int>"),
+    ("optimizer-in-backward", "post-accumulate-grad hooks"),
+])
+def test_unsupported_options_are_refused_at_attach_naming_module_and_option(kind, words):
+    for msg in run_ranks(4, _attach_error, kind):
+        assert words in msg and "torch_odc.attach: module '" in msg, msg
+
+
+def _world_of_one(rank, world):
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_result = train(rank, world, {"branch": True}, [[2], [0], [3]])
+    return train_result, [str(w.message) for w in caught if "torch_odc" in str(w.message)]
+
+
+def test_a_world_of_one_rank_keeps_fsdp2s_own_path():
+    (got, caught), = run_ranks(1, _world_of_one)
+    assert any("one rank" in m for m in caught), caught
+    want = reference({"branch": True}, [[2], [0], [3]], 1)
+    for key, ref in want.items():
+        torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
+
+
+def _misuse(rank, world, kind):
+    """Returns (error text or None, parameters unchanged by the refused call)."""
+    import torch_odc
+
+    model = sharded({}, world)
+    handle = torch_odc.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    seq = samples(0, 1)[0]
+    loss_of(model, seq).backward()
+    torch_odc.minibatch_barrier()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    error = None
+    try:
+        if kind == "double-barrier":
+            loss_of(model, seq).backward()
+            torch_odc.minibatch_barrier()
+            torch_odc.minibatch_barrier()
+        elif kind == "idle-rank-steps-early":
+            # Minibatch 2: rank 1 runs no microbatch and steps before the barrier.
+            if rank == 0:
+                loss_of(model, seq).backward()
+            else:
+                opt.step()
+    except RuntimeError as err:
+        error = str(err)
+    unchanged = all(torch.equal(before[k], v.to_local()) for k, v in model.state_dict().items())
+    if kind == "idle-rank-steps-early" and rank == 0:
+        try:
+            torch_odc.minibatch_barrier()  # its peer never arrives: named after the timeout
+        except RuntimeError as err:
+            error = str(err)
+    handle._attached = False  # leave the engine as it is; the group is torn down next
+    return error, unchanged
+
+
+def test_a_second_barrier_before_the_step_is_refused():
+    for rank, (error, _) in enumerate(run_ranks(2, _misuse, "double-barrier")):
+        assert error is not None and f"rank {rank}, minibatch 3" in error, error
+        assert "second minibatch_barrier()" in error, error
+
+
+def test_a_step_before_the_barrier_on_a_rank_without_microbatches_is_refused():
+    (err0, _), (err1, unchanged) = run_ranks(2, _misuse, "idle-rank-steps-early", pg_timeout=3.0)
+    assert err1 is not None and "rank 1, minibatch 2" in err1 and "optimizer.step()" in err1, err1
+    assert unchanged, "the refused step changed parameters"
+    assert err0 is not None and "peer rank 1" in err0, err0
+
+
+def _metric_allreduce_in_loop(rank, world):
+    import torch_odc
+
+    model = sharded({}, world)
+    handle = torch_odc.attach(model)
+    counts = [3, 1]
+    error = None
+    try:
+        for seq in samples(0, 4)[:counts[rank]]:
+            loss = loss_of(model, seq)
+            loss.backward()
+            metric = loss.detach().clone()
+            dist.all_reduce(metric)  # a per-microbatch metric, as several trainers log
+        torch_odc.minibatch_barrier()
+    except RuntimeError as err:
+        error = str(err)
+    handle._attached = False
+    return error
+
+
+def test_a_collective_inside_the_microbatch_loop_is_named_at_the_barrier():
+    """Rank 0 runs 3 microbatches, rank 1 one: rank 0's second all-reduce pairs with nothing.
+    Rank 1, waiting in the barrier, sees it at once (well before the 30 s timeout)."""
+    import time
+
+    start = time.monotonic()
+    errors = run_ranks(2, _metric_allreduce_in_loop, pg_timeout=30.0, timeout=120.0)
+    assert time.monotonic() - start < 25.0
+    assert errors[1] is not None and "different numbers of collectives" in errors[1], errors[1]
+    assert "ALLREDUCE" in errors[1] and "after torch_odc.minibatch_barrier()" in errors[1]

@@ -393,6 +393,12 @@ class StoreRendezvous : public Rendezvous {
     const auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  bool tryGet(const std::string& key, std::string& value) override {
+    if (!store_->check({key})) return false;
+    const auto v = store_->get(key);
+    value.assign(v.begin(), v.end());
+    return true;
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

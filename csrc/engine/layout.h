@@ -1,7 +1,9 @@
 // The layout of one rank's ODC region. Every rank of a group has a region with this same layout,
 // so an offset computed here addresses the same thing in any peer's region.
 //
-//   control   : per-rank barrier words (arrived epoch, released epoch), host memory
+//   control   : per-rank barrier words (arrived epoch, released epoch), the owner's pid (for
+//               messages) and its life lock (a robust process-shared mutex, see shm_transport.h),
+//               host memory
 //   flags     : per key: published epoch of the shard cache, last epoch a push landed
 //   locks     : per key and accumulator block: a spinlock word (CPU accumulation only)
 //   caches    : per key: this rank's shard (the all-gather input), written only by the owner
@@ -51,6 +53,9 @@ class RegionLayout {
   size_t controlArrived() const { return 0; }
   size_t controlReleased() const { return kAlign; }
   size_t controlPid() const { return 2 * kAlign; }
+  // A robust process-shared mutex that the owner holds for as long as its transport is
+  // connected (peers' liveness check; host transports only). One cache-line pair.
+  size_t controlLife() const { return 3 * kAlign; }
   const std::vector<KeySpec>& keys() const { return keys_; }
   const KeySpec& key(size_t k) const { return keys_.at(k); }
   const KeyOffsets& offsets(size_t k) const { return offsets_.at(k); }

@@ -91,6 +91,9 @@ class Transport {
   virtual void endOp(Stream /*stream*/) {}
   // Returns once every data-path operation issued on `stream` has completed everywhere.
   virtual void quiesce(Stream stream) = 0;
+  // Makes every pending wait give up at once (process-group abort, shutdown); the data behind
+  // such a wait is never used. Host transports wait synchronously and need nothing here.
+  virtual void abort() {}
 
   // ---- host control (barrier words; always host-visible) ----
   virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release

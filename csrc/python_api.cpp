@@ -1,9 +1,8 @@
 // The one pybind11 binding layer of torch-odc. Every C++ symbol Python sees is bound here.
-#include <pybind11/chrono.h>
-#include <torch/extension.h>
-
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <pybind11/chrono.h>
+#include <torch/extension.h>
 
 #include "backend/odc_backend.h"
 #include "balance/planner.h"
@@ -96,10 +95,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
             std::vector<torch_odc::KeySpec> specs;
             for (const auto& k : keys) {
-              specs.push_back(torch_odc::KeySpec{k[0].cast<std::string>(), k[1].cast<size_t>(),
-                                                 dtypeFromName(k[2].cast<std::string>()),
-                                                 k[3].cast<size_t>(),
-                                                 dtypeFromName(k[4].cast<std::string>())});
+              specs.push_back(torch_odc::KeySpec{
+                  k[0].cast<std::string>(), k[1].cast<size_t>(),
+                  dtypeFromName(k[2].cast<std::string>()), k[3].cast<size_t>(),
+                  dtypeFromName(k[4].cast<std::string>())});
             }
             py::gil_scoped_release nogil;
             self.connectEngine(specs, device_index);
@@ -111,16 +110,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_cuda_transport_problem", &torch_odc::OdcBackend::cudaTransportProblem,
            py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
            "Collective: why the CUDA IPC transport cannot run on this GPU and group, or ''.")
-      .def_property_readonly(
-          "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
+      .def_property_readonly("_epoch",
+                             [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
       .def("_published",
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("published").publishedThisEpoch(key);
            })
       .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
            py::call_guard<py::gil_scoped_release>())
-      .def("_pushed", [](torch_odc::OdcBackend& self,
-                         size_t key) { return self.engine("pushed").pushedThisEpoch(key); })
+      .def("_pushed",
+           [](torch_odc::OdcBackend& self, size_t key) {
+             return self.engine("pushed").pushedThisEpoch(key);
+           })
       .def("_accumulator",
            [](torch_odc::OdcBackend& self, size_t key) {
              auto& e = self.engine("accumulator");
@@ -166,7 +167,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- balance planner (csrc/balance) ------------------------------------------------------
   m.def(
       "_plan_balance",
-      [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens, bool micro) {
+      [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens,
+         bool micro) {
         // One-dimensional, contiguous, 8-byte buffers: int64 lengths and float64 costs.
         auto view = [](const py::buffer& buf, const char* name, bool floating) {
           py::buffer_info info = buf.request();

@@ -63,8 +63,13 @@ def _sources(with_cuda):
 # C++20 everywhere: torch 2.15's headers require it (`#error C++20 or later compatible compiler is
 # required to use ATen`), and torch 2.11's headers, g++ 12 and nvcc 13 accept it.
 CXX_STD = "-std=c++20"
-# sm_90 machine code plus compute_90 PTX, which the driver JIT-compiles for newer GPUs.
-CUDA_ARCH = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+# sm_80 and sm_90 machine code plus compute_90 PTX, which the driver JIT-compiles for newer GPUs.
+# attach() checks that the build has a kernel image for the GPU (collective semantics otherwise).
+CUDA_ARCH = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_90,code=compute_90",
+]
 
 
 def _extension():

@@ -109,6 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_disconnect_engine", &torch_odc::OdcBackend::disconnectEngine,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("_has_engine", &torch_odc::OdcBackend::hasEngine)
+      .def("_cuda_transport_problem", &torch_odc::OdcBackend::cudaTransportProblem,
+           py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
+           "Collective: why the CUDA IPC transport cannot run on this GPU and group, or ''.")
       .def_property_readonly(
           "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
       .def("_published",

@@ -368,6 +368,11 @@ def _collective_fallback_reason(group, device: torch.device) -> str | None:
         return f"no on-demand transport for {device.type} tensors"
     if dist.get_world_size(group) == 1:
         return "a group of one rank has nothing to communicate (FSDP2 calls no collective)"
+    if device.type == "cuda":
+        # Collective: peer access and native atomics for every GPU pair, a kernel image here.
+        problem = odc_backend(group)._cuda_transport_problem(device.index)
+        if problem:
+            return f"the CUDA IPC transport cannot run here: {problem}"
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:

@@ -393,6 +393,12 @@ class StoreRendezvous : public Rendezvous {
     const auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  bool tryGet(const std::string& key, std::string& value) override {
+    if (!store_->check({key})) return false;
+    const auto v = store_->get(key);
+    value.assign(v.begin(), v.end());
+    return true;
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -537,21 +543,63 @@ Engine& OdcBackend::engine(const char* op) {
   return *engine_;
 }
 
+namespace {
+
+// The stream the barrier's device work runs on: the current stream of the engine's device
+// (where finalize reads the accumulators), or none on the CPU.
+Stream barrierStream(Engine& eng) {
+#ifdef ODC_WITH_CUDA
+  if (const int dev = eng.transport().deviceIndex(); dev >= 0) {
+    return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  }
+#endif
+  (void)eng;
+  return nullptr;
+}
+
+// Raises an error a device wait or the watchdog recorded (sticky), before any further op.
+void checkTransportErrors(Engine& eng) {
+#ifdef ODC_WITH_CUDA
+  if (auto* t = dynamic_cast<CudaIpcTransport*>(&eng.transport())) t->checkDeviceErrors();
+#else
+  (void)eng;
+#endif
+}
+
+}  // namespace
+
 void OdcBackend::barrierArrive() {
   OpRange range("odc::barrier_arrive");
   auto& eng = engine("minibatch barrier");
-  engineCall([&] { eng.arrive(nullptr); });
+  engineCall([&] { eng.arrive(barrierStream(eng)); });
 }
 
 void OdcBackend::barrierRelease() {
   OpRange range("odc::barrier_release");
   auto& eng = engine("minibatch barrier");
-  engineCall([&] { eng.release(nullptr); });
+  engineCall([&] { eng.release(barrierStream(eng)); });
+}
+
+std::string OdcBackend::cudaTransportProblem(int device_index) {
+#ifdef ODC_WITH_CUDA
+  StoreRendezvous rdv(store_);
+  std::string problem;
+  engineCall([&] {
+    problem = CudaIpcTransport::supportProblem(
+        rank_, size_, device_index, rdv, "odc/cuda-support/" + std::to_string(support_checks_++),
+        timeout_);
+  });
+  return problem;
+#else
+  (void)device_index;
+  return "this build of torch_odc has no CUDA transport";
+#endif
 }
 
 WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
   auto& eng = engine("keyed all-gather");
   const Stream stream = keyedStream(eng, input, output, "all-gather", key);
+  engineCall([&] { checkTransportErrors(eng); });
   TORCH_CHECK(input.is_contiguous() && output.is_contiguous() &&
                   input.scalar_type() == output.scalar_type(),
               "odc: rank ", rank_, ": keyed all-gather needs contiguous tensors of one dtype");
@@ -576,6 +624,7 @@ WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& 
   auto& eng = engine("keyed reduce-scatter");
   const auto& name = eng.layout().key(static_cast<size_t>(key)).name;
   const Stream stream = keyedStream(eng, input, output, "reduce-scatter", key);
+  engineCall([&] { checkTransportErrors(eng); });
   TORCH_CHECK(input.is_contiguous(), "odc: rank ", rank_,
               ": keyed reduce-scatter needs a contiguous input");
   TORCH_CHECK(output.numel() * size_ == input.numel(), "odc: rank ", rank_,
@@ -675,6 +724,9 @@ void OdcBackend::close(bool abort) {
     cuda = std::move(cuda_);
     cpu = std::move(cpu_);
     factory = std::move(cuda_factory_);
+    // Abort: every pending device wait returns at once, so closing the engine never waits
+    // for a peer. Shutdown waits for pending ODC work under the op deadlines.
+    if (abort && engine_) engine_->transport().abort();
     engine_.reset();  // unmaps the shared regions
   }
   factory = nullptr;  // may release a Python callable: never under mu_

@@ -116,6 +116,10 @@ class OdcBackend : public c10d::Backend {
   // the connected one (a keyed CUDA Work checks at wait()).
   void checkDeviceErrors(int generation);
   bool hasEngine() const;
+  // Collective over the group: "" when the CUDA IPC transport can run on `device_index` with
+  // every rank's GPU (peer access with native atomics, kernels for each GPU), otherwise why not,
+  // identical on every rank (torch_odc.attach then keeps collective semantics with a warning).
+  std::string cudaTransportProblem(int device_index);
 
   void shutdown() override;
   void abort() override;
@@ -164,6 +168,7 @@ class OdcBackend : public c10d::Backend {
   bool shutdown_ = false;
   std::unique_ptr<Engine> engine_;
   int engine_generation_ = 0;
+  int support_checks_ = 0;
 };
 
 // The key of the keyed call this thread is making (set by torch_odc's FSDP2 comm hooks around

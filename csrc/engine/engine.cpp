@@ -240,8 +240,8 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
           owner,
           static_cast<const uint8_t*>(in) + (static_cast<size_t>(owner) * chunk + run.src) * esize};
     }
-    transport_->pushPeers(off.accum, run.dst, off.first_lock, run.numel, dtype, scale, pushes,
-                          stream);
+    transport_->pushPeers(off.accum, run.dst, off.first_lock, epoch_, run.numel, dtype, scale,
+                          pushes, stream);
   }
   current_.bytes_pushed += chunk * esize * static_cast<size_t>(world_ - 1);
   for (const uint32_t p : order) {

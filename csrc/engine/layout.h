@@ -1,8 +1,10 @@
 // The layout of one rank's ODC region. Every rank of a group has a region with this same layout,
 // so an offset computed here addresses the same thing in any peer's region.
 //
-//   control   : per-rank barrier words (arrived epoch, released epoch, pid, collectives count)
-//               and the bitmap of parameters this rank pushed in the minibatch, host memory
+//   control   : per-rank barrier words (arrived epoch, released epoch), the owner's pid (for
+//               messages), its life lock (a robust process-shared mutex, see shm_transport.h),
+//               its count of unkeyed collectives, and the bitmap of parameters it pushed in the
+//               minibatch; host memory
 //   flags     : per key: published epoch of the shard cache
 //   locks     : per key and accumulator block: a spinlock word (CPU accumulation only)
 //   caches    : per key: this rank's shard (the all-gather input), written only by the owner
@@ -62,11 +64,14 @@ class RegionLayout {
   size_t controlArrived() const { return 0; }
   size_t controlReleased() const { return kAlign; }
   size_t controlPid() const { return 2 * kAlign; }
+  // A robust process-shared mutex that the owner holds for as long as its transport is
+  // connected (peers' liveness check; host transports only). One cache-line pair.
+  size_t controlLife() const { return 3 * kAlign; }
   // Cumulative count of this rank's collectives outside keyed calls since connect.
-  size_t controlCollectives() const { return 3 * kAlign; }
+  size_t controlCollectives() const { return 4 * kAlign; }
   // Bit p: parameter p (over all keys, in key order) got a gradient from this rank's pushes in
   // the minibatch; written before `arrived`, read by peers after it.
-  size_t controlPushedBits() const { return 4 * kAlign; }
+  size_t controlPushedBits() const { return 5 * kAlign; }
   size_t pushedBitWords() const { return (num_params_ + 63) / 64; }
   // Bytes of the control words: a transport that keeps them apart (CUDA IPC) sizes them so.
   size_t controlBytes() const { return control_bytes_; }

@@ -50,8 +50,9 @@ class Transport {
   // before the add). Safe under concurrent pushers into the same accumulator: `locks_offset`
   // addresses the key's lock words, one per kLockBlockElems accumulator elements counted from
   // `accum_offset`, for transports that need locks. Read by the owner only after the barrier.
+  // `epoch` (the minibatch) is for error messages.
   virtual void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset,
-                          const void* src, size_t numel, DType dtype, double scale,
+                          uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
                           Stream stream) = 0;
   // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
   // is >= value, then read `bytes` from the peer's region at `offset` into `dst`. Returns the
@@ -79,11 +80,12 @@ class Transport {
     int peer;
     const void* src;
   };
-  virtual void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, size_t numel,
-                         DType dtype, double scale, const std::vector<PeerPush>& pushes,
-                         Stream stream) {
+  virtual void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
+                         size_t numel, DType dtype, double scale,
+                         const std::vector<PeerPush>& pushes, Stream stream) {
     for (const auto& p : pushes) {
-      accumulate(p.peer, accum_offset, elem, locks_offset, p.src, numel, dtype, scale, stream);
+      accumulate(p.peer, accum_offset, elem, locks_offset, epoch, p.src, numel, dtype, scale,
+                 stream);
     }
   }
   // Ends one keyed operation: whatever the transport ran beside `stream` (e.g. one side stream
@@ -91,6 +93,9 @@ class Transport {
   virtual void endOp(Stream /*stream*/) {}
   // Returns once every data-path operation issued on `stream` has completed everywhere.
   virtual void quiesce(Stream stream) = 0;
+  // Makes every pending wait give up at once (process-group abort, shutdown); the data behind
+  // such a wait is never used. Host transports wait synchronously and need nothing here.
+  virtual void abort() {}
 
   // ---- host control (barrier words; always host-visible) ----
   virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release

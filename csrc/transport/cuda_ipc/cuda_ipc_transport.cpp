@@ -1,6 +1,8 @@
 #include "transport/cuda_ipc/cuda_ipc_transport.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -16,6 +18,12 @@ void check(cudaError_t err, int rank, const std::string& what) {
 }
 
 cudaStream_t asStream(Stream s) { return static_cast<cudaStream_t>(s); }
+
+int64_t steadyNs(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+volatile uint32_t* word(uint32_t* p) { return reinterpret_cast<volatile uint32_t*>(p); }
 
 // Makes `device` current for the scope (IPC opens and allocations are per device).
 class DeviceGuard {
@@ -47,6 +55,12 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   DeviceGuard guard(device_);
   timeout_ = timeout;
   bytes_ = layout.bytes();
+  const std::string problem =
+      supportProblem(rank_, world_, device_, rdv, prefix + "/support", timeout);
+  if (!problem.empty()) {
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": the CUDA IPC transport cannot run on this group: " + problem);
+  }
   check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), rank_,
         "cudaDeviceGetAttribute");
   ctas_ = 2 * sm_count_;
@@ -93,6 +107,10 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
     check(cudaEventCreateWithFlags(&joined_[r], cudaEventDisableTiming), rank_, "event create");
   }
   check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), rank_, "event create");
+  check(cudaStreamCreateWithFlags(&ctl_stream_, cudaStreamNonBlocking), rank_, "stream create");
+  calibrateClock();
+  wd_stop_ = false;
+  watchdog_ = std::thread([this] { watchdogLoop(); });
   // Nobody may use a region before its owner zeroed it and every rank opened every handle.
   rdv.set(prefix + "/ipc-open/" + std::to_string(rank_), "1");
   for (int r = 0; r < world_; ++r) {
@@ -104,7 +122,26 @@ void CudaIpcTransport::close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (bases_.empty()) return;
   DeviceGuard guard(device_);
-  cudaDeviceSynchronize();
+  // No device-wide synchronize: wait (under the deadline) only for the streams ODC used. The
+  // watchdog keeps running meanwhile, so a wait on a peer that is gone is aborted within
+  // milliseconds; abort() before close() makes every pending wait return at once.
+  const bool drained = drain(Clock::now() + timeout_, /*raise_errors=*/false);
+  {
+    std::lock_guard<std::mutex> wd(wd_mu_);
+    wd_stop_ = true;
+  }
+  wd_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (!drained) {
+    // A kernel of ours still runs: freeing what it uses would be worse than leaking it.
+    std::fprintf(stderr,
+                 "odc: rank %d: ODC device work still pending at close after %.1f s; its "
+                 "memory is not freed\n",
+                 rank_, timeout_.count() / 1000.0);
+    bases_.clear();
+    control_.close();
+    return;
+  }
   for (int r = 0; r < world_; ++r) {
     if (!bases_[r]) continue;
     if (r == rank_) {
@@ -114,6 +151,7 @@ void CudaIpcTransport::close() {
     }
     bases_[r] = nullptr;
   }
+  bases_.clear();
   for (auto& s : side_) {
     if (s) cudaStreamDestroy(s);
     s = nullptr;
@@ -124,10 +162,227 @@ void CudaIpcTransport::close() {
   }
   if (fork_) cudaEventDestroy(fork_);
   fork_ = nullptr;
+  if (ctl_stream_) cudaStreamDestroy(ctl_stream_);
+  ctl_stream_ = nullptr;
+  for (auto& p : pending_) cudaEventDestroy(p.done);
+  pending_.clear();
+  for (auto e : free_events_) cudaEventDestroy(e);
+  free_events_.clear();
   if (error_host_) cudaFreeHost(error_host_);
   error_host_ = nullptr;
   error_device_ = nullptr;
   control_.close();
+}
+
+void CudaIpcTransport::abort() {
+  if (error_host_) {
+    *word(&error_host_->abort) = 1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+}
+
+std::string CudaIpcTransport::supportProblem(int rank, int world, int device, Rendezvous& rdv,
+                                             const std::string& prefix,
+                                             std::chrono::milliseconds timeout) {
+  std::string problem;
+  char bus[64] = {0};
+  if (cudaDeviceGetPCIBusId(bus, sizeof bus, device) != cudaSuccess) {
+    cudaGetLastError();
+    problem = "cannot read the PCI bus id of cuda:" + std::to_string(device);
+  }
+  if (problem.empty()) {
+    if (const cudaError_t err = cuda_ipc::kernelImageProblem(device); err != cudaSuccess) {
+      cudaDeviceProp prop{};
+      cudaGetDeviceProperties(&prop, device);
+      problem = "this build of torch_odc has no kernels for cuda:" + std::to_string(device) + " (" +
+                prop.name + ", compute capability " + std::to_string(prop.major) + "." +
+                std::to_string(prop.minor) + "): " + cudaGetErrorString(err) +
+                "; rebuild with that architecture";
+    }
+  }
+  rdv.set(prefix + "/bus/" + std::to_string(rank), bus);
+  for (int r = 0; r < world && problem.empty(); ++r) {
+    if (r == rank) continue;
+    const std::string peer_bus = rdv.get(prefix + "/bus/" + std::to_string(r), timeout);
+    if (peer_bus.empty() || peer_bus == bus) continue;  // unknown (it reports why) or same GPU
+    int peer_device = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_device, peer_bus.c_str()) != cudaSuccess) {
+      cudaGetLastError();
+      problem = "rank " + std::to_string(r) + "'s GPU (" + peer_bus +
+                ") is not visible in this process (CUDA_VISIBLE_DEVICES?), so peer access with "
+                "native atomics cannot be checked";
+      break;
+    }
+    int access = 0, atomics = 0;
+    cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported, device, peer_device);
+    cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, device, peer_device);
+    cudaGetLastError();
+    const std::string pair = "cuda:" + std::to_string(device) + " (" + bus + ") and rank " +
+                             std::to_string(r) + "'s cuda:" + std::to_string(peer_device) + " (" +
+                             peer_bus + ")";
+    if (!access) {
+      problem = pair + " have no peer access";
+    } else if (!atomics) {
+      problem = pair +
+                " have peer access without native atomics: concurrent remote "
+                "reductions would lose updates";
+    }
+  }
+  rdv.set(prefix + "/verdict/" + std::to_string(rank), "v" + problem);
+  std::string first;
+  for (int r = 0; r < world; ++r) {
+    const std::string v =
+        r == rank ? "v" + problem : rdv.get(prefix + "/verdict/" + std::to_string(r), timeout);
+    if (v.size() > 1 && first.empty()) first = "rank " + std::to_string(r) + ": " + v.substr(1);
+  }
+  return first;
+}
+
+void CudaIpcTransport::calibrateClock() {
+  // Best of a few round trips: the offset is taken at the midpoint of the shortest one.
+  int64_t best_rtt = INT64_MAX;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    cuda_ipc::launchReadClock(error_device_, ctl_stream_);
+    check(cudaStreamSynchronize(ctl_stream_), rank_, "clock calibration");
+    const auto t1 = Clock::now();
+    const int64_t rtt = steadyNs(t1) - steadyNs(t0);
+    const uint64_t device_ns = *reinterpret_cast<volatile uint64_t*>(&error_host_->clock);
+    if (rtt < best_rtt) {
+      best_rtt = rtt;
+      clock_offset_ns_.store(static_cast<int64_t>(device_ns) - (steadyNs(t0) + rtt / 2));
+    }
+  }
+}
+
+uint64_t CudaIpcTransport::deviceDeadline(Clock::time_point deadline) const {
+  return static_cast<uint64_t>(std::max<int64_t>(steadyNs(deadline) + clock_offset_ns_.load(), 0));
+}
+
+void CudaIpcTransport::track(Stream stream) {
+  const auto s = asStream(stream);
+  if (std::find(used_streams_.begin(), used_streams_.end(), s) == used_streams_.end()) {
+    used_streams_.push_back(s);
+  }
+}
+
+void CudaIpcTransport::watch(cudaStream_t stream, Clock::time_point deadline,
+                             std::vector<int> peers,
+                             std::vector<std::function<std::string()>> describe) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(wd_mu_);
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    }
+  }
+  if (!ev) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), rank_, "event create");
+  check(cudaEventRecord(ev, stream), rank_, "wait event");
+  {
+    std::lock_guard<std::mutex> lock(wd_mu_);
+    pending_.push_back(PendingWait{ev, deadline, std::move(peers), std::move(describe)});
+  }
+  wd_cv_.notify_all();
+}
+
+void CudaIpcTransport::fail(const std::string& message, bool timeout) {
+  abort();
+  std::lock_guard<std::mutex> lock(wd_mu_);
+  if (host_error_.empty()) {
+    host_error_ = message;
+    host_error_is_timeout_ = timeout;
+  }
+}
+
+void CudaIpcTransport::watchdogLoop() {
+  // The device deadline fires first and names its wait precisely; the watchdog's own deadline
+  // check is a backstop (e.g. a drifting device clock), a little later.
+  const auto grace = std::clamp<std::chrono::milliseconds>(
+      timeout_ / 20, std::chrono::milliseconds(50), std::chrono::milliseconds(1000));
+  const std::string me = "odc: rank " + std::to_string(rank_);
+  std::unique_lock<std::mutex> lock(wd_mu_);
+  while (!wd_stop_) {
+    if (pending_.empty()) {
+      wd_cv_.wait(lock, [this] { return wd_stop_ || !pending_.empty(); });
+      continue;
+    }
+    // Completed waits leave in order of completion; the rest are checked.
+    std::string error;
+    bool is_timeout = false;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const cudaError_t q = cudaEventQuery(it->done);
+      if (q == cudaSuccess) {
+        free_events_.push_back(it->done);
+        it = pending_.erase(it);
+        continue;
+      }
+      if (q != cudaErrorNotReady) {
+        cudaGetLastError();
+        error = me + ": CUDA error while waiting on the GPU for " + it->describe.front()() + ": " +
+                cudaGetErrorString(q);
+        break;
+      }
+      if (error.empty()) {
+        for (size_t i = 0; i < it->peers.size(); ++i) {
+          if (!control_.peerAlive(it->peers[i])) {
+            error = me + ": the peer process exited (or detached) while this rank waited on " +
+                    "the GPU for " + it->describe[i]();
+            break;
+          }
+        }
+      }
+      if (error.empty() && Clock::now() >= it->deadline + grace) {
+        error = me + " timed out (after " + std::to_string(timeout_.count() / 1000.0) +
+                " s, host watchdog) waiting on the GPU for " + it->describe.front()();
+        is_timeout = true;
+      }
+      if (!error.empty()) break;
+      ++it;
+    }
+    if (!error.empty() && host_error_.empty()) {
+      lock.unlock();
+      fail(error, is_timeout);
+      lock.lock();
+    }
+    wd_cv_.wait_for(lock, std::chrono::milliseconds(5), [this] { return wd_stop_; });
+  }
+}
+
+bool CudaIpcTransport::drain(Clock::time_point deadline, bool raise_errors) {
+  std::vector<cudaEvent_t> events;
+  for (auto s : used_streams_) {
+    cudaEvent_t ev = nullptr;
+    if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(ev, s) != cudaSuccess) {
+      cudaGetLastError();
+      if (ev) cudaEventDestroy(ev);
+      continue;
+    }
+    events.push_back(ev);
+  }
+  bool done = true;
+  auto sleep = std::chrono::microseconds(20);
+  try {
+    for (auto ev : events) {
+      while (cudaEventQuery(ev) == cudaErrorNotReady) {
+        if (raise_errors) checkDeviceErrors();
+        if (Clock::now() >= deadline) {
+          done = false;
+          break;
+        }
+        std::this_thread::sleep_for(sleep);
+        if (sleep < std::chrono::milliseconds(1)) sleep *= 2;
+      }
+      if (!done) break;
+    }
+  } catch (...) {
+    for (auto ev : events) cudaEventDestroy(ev);
+    throw;
+  }
+  for (auto ev : events) cudaEventDestroy(ev);
+  if (done) used_streams_.clear();
+  return done;
 }
 
 uint8_t* CudaIpcTransport::at(int peer, size_t offset) const {
@@ -153,6 +408,7 @@ cudaStream_t CudaIpcTransport::peerStream(int peer, cudaStream_t main) {
 }
 
 void CudaIpcTransport::endOp(Stream stream) {
+  track(stream);  // every keyed op ends here: quiesce and close wait for these streams
   for (int r = 0; r < world_; ++r) {
     if (!side_used_[r]) continue;
     check(cudaEventRecord(joined_[r], side_[r]), rank_, "join event");
@@ -163,20 +419,29 @@ void CudaIpcTransport::endOp(Stream stream) {
 }
 
 void CudaIpcTransport::checkDeviceErrors() {
-  if (error_host_ && reinterpret_cast<volatile uint32_t*>(&error_host_->flag)[0] != 0) {
-    const uint32_t slot = reinterpret_cast<volatile uint32_t*>(&error_host_->slot)[0];
-    std::string what;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const auto& describe = wait_descriptions_[slot % kSlots];
-      what = describe ? describe() : std::string("a peer's publish");
+  {
+    std::lock_guard<std::mutex> lock(wd_mu_);
+    if (!host_error_.empty()) {
+      if (host_error_is_timeout_) throw OdcTimeout(host_error_);
+      throw OdcError(host_error_);
     }
-    throw OdcTimeout("odc: rank " + std::to_string(rank_) + " timed out (on the GPU, after " +
-                     std::to_string(timeout_.count() / 1000.0) + " s) waiting for " + what);
   }
+  if (!error_host_ || *word(&error_host_->flag) == 0) return;
+  // A wait claimed the error (2) and is writing its slot: it publishes 1 right after.
+  for (int i = 0; i < 100000 && *word(&error_host_->flag) != 1; ++i) std::this_thread::yield();
+  const uint32_t slot = *word(&error_host_->slot);
+  std::string what;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto& describe = wait_descriptions_[slot % kSlots];
+    what = describe ? describe() : std::string("a peer's publish");
+  }
+  throw OdcTimeout("odc: rank " + std::to_string(rank_) + " timed out (on the GPU, after " +
+                   std::to_string(timeout_.count() / 1000.0) + " s) waiting for " + what);
 }
 
 void CudaIpcTransport::writeLocal(size_t offset, const void* src, size_t bytes, Stream stream) {
+  track(stream);
   check(cudaMemcpyAsync(at(rank_, offset), src, bytes, cudaMemcpyDeviceToDevice, asStream(stream)),
         rank_, "shard cache copy");
 }
@@ -195,22 +460,27 @@ void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
     slot = next_slot_++ % kSlots;
     wait_descriptions_[slot] = ctx.describe;
   }
-  const auto remaining =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(ctx.deadline - Clock::now());
+  const cudaStream_t side = peerStream(peer, asStream(stream));
   cuda_ipc::launchWait(reinterpret_cast<const uint64_t*>(at(peer, flag_offset)), value,
-                       static_cast<uint64_t>(std::max<int64_t>(remaining.count(), 0)),
-                       error_device_, slot, peerStream(peer, asStream(stream)));
+                       deviceDeadline(ctx.deadline), error_device_, slot, side);
+  watch(side, ctx.deadline, {peer}, {ctx.describe});
 }
 
 void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) {
-  check(cudaMemcpyAsync(dst, at(peer, offset), bytes, cudaMemcpyDeviceToDevice,
-                        peerStream(peer, asStream(stream))),
-        rank_, "peer read from rank " + std::to_string(peer));
+  if (peer == rank_) {
+    check(cudaMemcpyAsync(dst, at(peer, offset), bytes, cudaMemcpyDeviceToDevice, asStream(stream)),
+          rank_, "shard cache read");
+    return;
+  }
+  // A kernel rather than a copy-engine memcpy: it is skipped once a wait failed (the peer's
+  // region may be gone).
+  cuda_ipc::launchRead(dst, at(peer, offset), bytes, error_device_, ctas_,
+                       peerStream(peer, asStream(stream)));
 }
 
 void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
-                                  size_t /*locks_offset*/, const void* src, size_t numel,
-                                  DType dtype, double scale, Stream stream) {
+                                  size_t /*locks_offset*/, uint64_t /*epoch*/, const void* src,
+                                  size_t numel, DType dtype, double scale, Stream stream) {
   cuda_ipc::launchPush(accumAt(peer, accum_offset, elem, dtype), src, numel, dtype,
                        static_cast<float>(scale), sm_count_, peerStream(peer, asStream(stream)));
 }
@@ -235,19 +505,27 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
     }
   }
   if (reads.empty()) return 0;
-  const auto remaining = std::chrono::duration_cast<std::chrono::nanoseconds>(
-      reads.front().ctx.deadline - Clock::now());
-  cuda_ipc::launchGather(args, bytes, value,
-                         static_cast<uint64_t>(std::max<int64_t>(remaining.count(), 0)),
-                         error_device_, ctas_, asStream(stream));
+  // One deadline for the operation: the earliest of its waits' (all set when it was enqueued).
+  Clock::time_point deadline = reads.front().ctx.deadline;
+  std::vector<int> peers;
+  std::vector<std::function<std::string()>> describe;
+  for (const auto& r : reads) {
+    deadline = std::min(deadline, r.ctx.deadline);
+    peers.push_back(r.peer);
+    describe.push_back(r.ctx.describe);
+  }
+  cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, ctas_,
+                         asStream(stream));
+  watch(asStream(stream), deadline, std::move(peers), std::move(describe));
   return 0;
 }
 
 void CudaIpcTransport::pushPeers(size_t accum_offset, size_t elem, size_t locks_offset,
-                                 size_t numel, DType dtype, double scale,
+                                 uint64_t epoch, size_t numel, DType dtype, double scale,
                                  const std::vector<PeerPush>& pushes, Stream stream) {
   if (!fused_ || pushes.size() > static_cast<size_t>(cuda_ipc::kMaxPeers)) {
-    Transport::pushPeers(accum_offset, elem, locks_offset, numel, dtype, scale, pushes, stream);
+    Transport::pushPeers(accum_offset, elem, locks_offset, epoch, numel, dtype, scale, pushes,
+                         stream);
     return;
   }
   cuda_ipc::PushArgs args;
@@ -267,11 +545,19 @@ void* CudaIpcTransport::accumAt(int peer, size_t accum_offset, size_t elem, DTyp
   return at(peer, accum_offset) + elem * sizeof(float);
 }
 
-void CudaIpcTransport::quiesce(Stream) {
-  // Keyed ops run on whatever streams FSDP2 used; the barrier is the one place to wait for all.
+void CudaIpcTransport::quiesce(Stream stream) {
+  // Keyed ops run on whatever streams FSDP2 used; the barrier is the one place to wait for all
+  // of them (never the whole device: a spinning wait must not block the host forever).
   DeviceGuard guard(device_);
-  check(cudaDeviceSynchronize(), rank_, "cudaDeviceSynchronize at the minibatch barrier");
+  track(stream);
+  if (!drain(Clock::now() + timeout_, /*raise_errors=*/true)) {
+    checkDeviceErrors();
+    throw OdcTimeout("odc: rank " + std::to_string(rank_) + " timed out after " +
+                     std::to_string(timeout_.count() / 1000.0) +
+                     " s at the minibatch barrier waiting for this rank's ODC work on the GPU");
+  }
   checkDeviceErrors();
+  calibrateClock();
 }
 
 void CudaIpcTransport::storeControl(size_t offset, uint64_t value) {
@@ -285,6 +571,10 @@ uint64_t CudaIpcTransport::loadControl(int peer, size_t offset) {
 void* CudaIpcTransport::localPointer(size_t offset) { return at(rank_, offset); }
 
 void CudaIpcTransport::zeroLocal(size_t offset, size_t bytes, Stream stream) {
+  // On the caller's stream (the current stream of this device, where finalize read the
+  // accumulators), so the zeroing cannot overtake that read.
+  DeviceGuard guard(device_);
+  track(stream);
   check(cudaMemsetAsync(at(rank_, offset), 0, bytes, asStream(stream)), rank_, "zero");
 }
 

@@ -16,6 +16,21 @@
 //    the block copies its share with 16-byte loads over NVLink.
 //  - push: one kernel over all owners: 16-byte loads and remote vector reductions into each
 //    owner's accumulator.
+// Failures end in seconds, however many ops are queued: every wait of an op compares against
+// the op's absolute deadline (host deadline + a host-to-%globaltimer offset calibrated at connect
+// and at every barrier) and polls an abort word in mapped host memory; once one wait failed or
+// the abort word is set, every queued and later wait returns at once and the copies behind them
+// are skipped. A watchdog thread runs while gathers are pending on the device: it checks the
+// awaited peers' life locks (shm_transport.h) and the op's deadline, and on a dead peer (or, as
+// a backstop, shortly after a missed deadline) sets the abort word and records an error naming
+// rank, peer, key and minibatch, raised at the next keyed call, Work::wait() or the barrier.
+// quiesce() and close() poll events of the streams ODC used, under the deadline: they never
+// wait indefinitely for a spinning kernel.
+//
+// connect() first checks, collectively, that every GPU pair of the group has peer access with
+// native atomics (concurrent remote reductions lose updates without them) and that this build
+// has kernels for every GPU; otherwise every rank refuses with the reason (supportProblem()).
+//
 // One launch per keyed op measured faster than per-peer copy-engine copies or per-peer kernels
 // on side streams (benchmarks/probe_nvlink.cu, docs/benchmarks.md); those remain behind
 // ODC_CUDA_FUSED=0 (waitFlag/read/accumulate below).
@@ -23,10 +38,14 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/transport.h"
@@ -50,12 +69,13 @@ class CudaIpcTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
-  void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, const void* src,
-                  size_t numel, DType dtype, double scale, Stream stream) override;
+  void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
+                  const void* src, size_t numel, DType dtype, double scale, Stream stream) override;
   double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
                      const std::vector<PeerRead>& reads, Stream stream) override;
-  void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, size_t numel, DType dtype,
-                 double scale, const std::vector<PeerPush>& pushes, Stream stream) override;
+  void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
+                 size_t numel, DType dtype, double scale, const std::vector<PeerPush>& pushes,
+                 Stream stream) override;
   void endOp(Stream stream) override;
   void quiesce(Stream stream) override;
 
@@ -66,10 +86,35 @@ class CudaIpcTransport : public Transport {
   bool peerAlive(int peer) override;
   int deviceIndex() const override { return device_; }
 
-  // Raises if a device-side wait gave up (called before every keyed op and in quiesce).
+  // Raises if a device-side wait gave up or the watchdog recorded an error (called before every
+  // keyed op, in Work::wait and in quiesce). Sticky: every later call raises too.
   void checkDeviceErrors();
+  // Sets the abort word: every device wait returns at once, copies behind them are skipped.
+  void abort() override;
+
+  // Collective over the group: "" when every rank's GPU can run this transport with every
+  // peer's (peer access with native atomics, a kernel image for its architecture), otherwise
+  // the first problem, naming the rank and GPUs; identical on every rank.
+  static std::string supportProblem(int rank, int world, int device, Rendezvous& rdv,
+                                    const std::string& prefix, std::chrono::milliseconds timeout);
 
  private:
+  // One enqueued device wait the watchdog follows until its event completes.
+  struct PendingWait {
+    cudaEvent_t done;
+    Clock::time_point deadline;
+    std::vector<int> peers;
+    std::vector<std::function<std::string()>> describe;  // per peer
+  };
+  void track(Stream stream);
+  void watch(cudaStream_t stream, Clock::time_point deadline, std::vector<int> peers,
+             std::vector<std::function<std::string()>> describe);
+  void watchdogLoop();
+  void fail(const std::string& message, bool timeout);
+  uint64_t deviceDeadline(Clock::time_point deadline) const;
+  void calibrateClock();
+  // Polls until every stream ODC used has finished its work, or `deadline`; false on timeout.
+  bool drain(Clock::time_point deadline, bool raise_errors);
   uint8_t* at(int peer, size_t offset) const;
   // The fp32 accumulator element `elem` of the key accumulator at `accum_offset` in `peer`.
   void* accumAt(int peer, size_t accum_offset, size_t elem, DType dtype);
@@ -96,6 +141,19 @@ class CudaIpcTransport : public Transport {
   std::vector<std::function<std::string()>> wait_descriptions_;
   uint32_t next_slot_ = 0;
   std::mutex mu_;
+  // %globaltimer - steady_clock, in ns (calibrated at connect and at every barrier).
+  std::atomic<int64_t> clock_offset_ns_{0};
+  cudaStream_t ctl_stream_ = nullptr;       // calibration
+  std::vector<cudaStream_t> used_streams_;  // streams with ODC work since the last drain
+  // Watchdog (see above); wd_mu_ guards everything below.
+  std::thread watchdog_;
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;
+  std::deque<PendingWait> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::string host_error_;  // first error the watchdog recorded
+  bool host_error_is_timeout_ = false;
   std::vector<cudaStream_t> side_;   // per peer
   std::vector<cudaEvent_t> joined_;  // per peer: end of its part of the current op
   std::vector<bool> side_used_;

@@ -48,22 +48,32 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
 
 // ---- one launch per keyed operation, all peers (blockIdx.y = entry) ----
 
+// True once any wait of this rank failed or the host aborted (mapped host memory, read through).
+__device__ __forceinline__ bool stopped(const DeviceError* error) {
+  return *reinterpret_cast<const volatile uint32_t*>(&error->flag) != 0 ||
+         *reinterpret_cast<const volatile uint32_t*>(&error->abort) != 0;
+}
+
 // One thread per entry acquire-spins on the entry's flag (a one-block kernel: a wait for a slow
 // peer, e.g. for a prefetched layer it has not reached, holds no SM resources that compute on
 // this GPU needs). The copy kernel after it on the stream reads only after every wait.
-__global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t timeout_ns,
+__global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t deadline_ns,
                                  DeviceError* error) {
   const int y = threadIdx.x;
   if (y >= a.count) return;
-  const uint64_t start = globalTimerNs();
   uint32_t backoff = 32;
   while (loadAcquireSys(a.flag[y]) < value) {
-    if (globalTimerNs() - start > timeout_ns) {
+    // Another wait gave up or the host aborted (dead peer, close): return at once; the copy
+    // behind this wait is skipped and the host raises.
+    if (stopped(error)) return;
+    if (globalTimerNs() > deadline_ns) {
       // Give up: the host sees this at the next keyed call, Work::wait or the barrier, and
-      // raises; the data read after this wait is never used for an optimizer step.
-      error->slot = a.slot[y];
-      __threadfence_system();
-      atomicExch(&error->flag, 1u);
+      // raises; the data behind this wait is never copied or used.
+      if (atomicCAS(&error->flag, 0u, 2u) == 0u) {  // the first failure names its wait
+        error->slot = a.slot[y];
+        __threadfence_system();
+        atomicExch(&error->flag, 1u);
+      }
       return;
     }
     __nanosleep(backoff);
@@ -71,7 +81,12 @@ __global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t timeout_
   }
 }
 
-__global__ void __launch_bounds__(512) odcGatherKernel(GatherArgs a, size_t bytes) {
+__global__ void __launch_bounds__(512)
+    odcGatherKernel(GatherArgs a, size_t bytes, const DeviceError* error) {
+  __shared__ bool skip;
+  if (threadIdx.x == 0) skip = stopped(error);
+  __syncthreads();
+  if (skip) return;  // a wait before this copy failed: the peer's region may be gone
   const int y = blockIdx.y;
   const uint8_t* src = a.src[y];
   uint8_t* dst = a.dst[y];
@@ -99,6 +114,8 @@ __global__ void __launch_bounds__(512) odcGatherKernel(GatherArgs a, size_t byte
   }
   for (size_t i = done + tid; i < bytes; i += stride) dst[i] = src[i];
 }
+
+__global__ void readClockKernel(DeviceError* error) { error->clock = globalTimerNs(); }
 
 __device__ __forceinline__ void red4(float* dst, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -187,15 +204,44 @@ void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
   check(cudaGetLastError(), "publish kernel launch");
 }
 
+void launchReadClock(DeviceError* error, cudaStream_t stream) {
+  readClockKernel<<<1, 1, 0, stream>>>(error);
+  check(cudaGetLastError(), "clock kernel launch");
+}
+
+cudaError_t kernelImageProblem(int device) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device);
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, odcWaitAllKernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, odcGatherKernel);
+  cudaGetLastError();  // not sticky: clear it
+  cudaSetDevice(prev);
+  return err;
+}
+
 // The per-peer path (ODC_CUDA_FUSED=0) runs the same kernels with one entry.
-void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
+void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t deadline_ns, DeviceError* error,
                 uint32_t slot, cudaStream_t stream) {
   GatherArgs args;
   args.flag[0] = peer_flag;
   args.slot[0] = slot;
   args.count = 1;
-  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, timeout_ns, error);
+  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error);
   check(cudaGetLastError(), "wait kernel launch");
+}
+
+void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* error, int ctas,
+                cudaStream_t stream) {
+  GatherArgs args;
+  args.src[0] = static_cast<const uint8_t*>(src);
+  args.dst[0] = static_cast<uint8_t*>(dst);
+  args.count = 1;
+  constexpr int kThreads = 512;
+  const dim3 grid(blocksPerEntry(ctas, 1, bytes / 16, kThreads), 1);
+  odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes, error);
+  check(cudaGetLastError(), "read kernel launch");
 }
 
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
@@ -207,14 +253,14 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
   launchPushAll(args, numel, dtype, scale, 2 * sm_count, stream);
 }
 
-void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
+void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, int ctas, cudaStream_t stream) {
   if (args.count == 0) return;
   constexpr int kThreads = 512;
   const dim3 grid(blocksPerEntry(ctas, args.count, bytes / 16, kThreads), args.count);
-  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, timeout_ns, error);
+  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error);
   check(cudaGetLastError(), "wait kernel launch");
-  odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes);
+  odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes, error);
   check(cudaGetLastError(), "gather kernel launch");
 }
 

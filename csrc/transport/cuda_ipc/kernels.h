@@ -12,16 +12,31 @@
 
 namespace torch_odc::cuda_ipc {
 
-// Written by a wait kernel that gives up; read by the host (mapped pinned memory).
+// Mapped pinned host memory shared by the host and every ODC kernel of one rank.
 struct DeviceError {
-  uint32_t flag;  // 0 = no error
-  uint32_t slot;  // which wait (index into the host's description ring)
+  uint32_t flag;   // 0 = no error; set by a wait that reached its deadline
+  uint32_t slot;   // which wait (index into the host's description ring)
+  uint32_t abort;  // set by the host (watchdog, close): every wait returns, every copy is skipped
+  uint32_t pad;
+  uint64_t clock;  // %globaltimer read by launchReadClock (host/device clock calibration)
 };
 
+// Writes the device's %globaltimer (ns) into error->clock.
+void launchReadClock(DeviceError* error, cudaStream_t stream);
+// Nonzero (a CUDA error) if this build has no kernel image for `device`.
+cudaError_t kernelImageProblem(int device);
+
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream);
+// Deadlines are absolute, in the device's %globaltimer nanoseconds: one per operation, computed
+// on the host when it is enqueued, so queued waits never extend it. A wait also returns at once
+// when any wait of this rank has failed or the host set `abort`; a copy behind such a wait is
+// skipped (its data is never used: the host raises first).
 // The per-peer operations of ODC_CUDA_FUSED=0: the kernels below with a single entry.
-void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t timeout_ns, DeviceError* error,
+void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t deadline_ns, DeviceError* error,
                 uint32_t slot, cudaStream_t stream);
+// Copies `bytes` from a peer's region (the gather copy kernel, one entry), unless a wait failed.
+void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* error, int ctas,
+                cudaStream_t stream);
 // The fp32 accumulator dst[i] += scale * src[i] for i < numel (src fp32, bf16 or fp16, widened
 // in registers), with remote reductions.
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
@@ -42,10 +57,10 @@ struct PushArgs {
   const void* src[kMaxPeers];  // the local chunk for that owner
   int count = 0;
 };
-// A one-block kernel acquire-spins on every flag[y] >= value (deadline timeout_ns; on expiry
-// records slot[y] in `error`, and the data copied after it is never used), then one kernel
-// copies every entry's `bytes` with 16-byte loads from the peers (8 in flight per thread).
-void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t timeout_ns,
+// A one-block kernel acquire-spins on every flag[y] >= value (until deadline_ns; on expiry
+// records slot[y] in `error`), then one kernel copies every entry's `bytes` with 16-byte loads
+// from the peers (8 in flight per thread), or nothing once a wait failed or abort is set.
+void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, int ctas, cudaStream_t stream);
 // dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
 // (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).

@@ -1,7 +1,7 @@
 #include "transport/shm/shm_transport.h"
 
 #include <fcntl.h>
-#include <signal.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,8 +9,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <thread>
 
@@ -102,13 +103,62 @@ void accumulateCpu(void* dst, const void* src, size_t numel, DType dtype, double
 }
 
 ShmTransport::ShmTransport(int rank, int world)
-    : rank_(rank), world_(world), bases_(world, nullptr), pids_(world, 0) {}
+    : rank_(rank),
+      world_(world),
+      bases_(world, nullptr),
+      pids_(world, 0),
+      dead_(new std::atomic<bool>[static_cast<size_t>(world)]) {
+  for (int r = 0; r < world_; ++r) dead_[r].store(false);
+}
 
 ShmTransport::~ShmTransport() { close(); }
 
+std::string ShmTransport::await(Rendezvous& rdv, const std::string& prefix, const std::string& key,
+                                const std::string& what) {
+  const auto deadline = Clock::now() + timeout_;
+  auto sleep = std::chrono::microseconds(100);
+  std::string value;
+  while (!rdv.tryGet(key, value)) {
+    if (rdv.tryGet(prefix + "/shm/failed", value)) {
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": attach failed on another rank (" +
+                     value + ")");
+    }
+    if (Clock::now() >= deadline) {
+      throw OdcTimeout("odc: rank " + std::to_string(rank_) + " timed out after " +
+                       std::to_string(timeout_.count() / 1000.0) + " s at attach waiting for " +
+                       what + ": every rank must call torch_odc.attach() on the same model");
+    }
+    std::this_thread::sleep_for(sleep);
+    if (sleep < std::chrono::milliseconds(10)) sleep *= 2;
+  }
+  return value;
+}
+
 void ShmTransport::connect(Rendezvous& rdv, const std::string& prefix, const RegionLayout& layout,
                            std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  try {
+    connectImpl(rdv, prefix, layout);
+  } catch (const std::exception& e) {
+    // Tell every rank waiting on us, so that each fails now and unlinks what it created.
+    try {
+      rdv.set(prefix + "/shm/failed", "rank " + std::to_string(rank_) + ": " + e.what());
+    } catch (...) {
+    }
+    unlinkKnownNames();
+    close();
+    throw;
+  }
+  // Every rank has mapped every region: names are no longer needed. Each rank unlinks every
+  // name it knows, so a region is unlinked even if its owner dies right now.
+  unlinkKnownNames();
+}
+
+void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
+                               const RegionLayout& layout) {
+  layout_ = layout;
   bytes_ = layout.bytes();
+  const std::string me = "odc: rank " + std::to_string(rank_);
   // A name no other job on this host uses: the job token (from rank 0) plus pid and rank.
   std::string token;
   if (rank_ == 0) {
@@ -116,61 +166,128 @@ void ShmTransport::connect(Rendezvous& rdv, const std::string& prefix, const Reg
     token = std::to_string(rd()) + std::to_string(rd());
     rdv.set(prefix + "/shm/token", token);
   } else {
-    token = rdv.get(prefix + "/shm/token", timeout);
+    token = await(rdv, prefix, prefix + "/shm/token", "rank 0's job token");
   }
-  name_ = "/odc-" + token.substr(0, 16) + "-" + std::to_string(::getpid()) + "-r" +
-          std::to_string(rank_);
+  token = token.substr(0, 16);
+  name_ = "/odc-" + token + "-" + std::to_string(::getpid()) + "-r" + std::to_string(rank_);
   const int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0)
-    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": shm_open " + name_));
+  if (fd < 0) throw OdcError(sysError(me + ": shm_open " + name_));
+  names_to_unlink_.push_back(name_);
   if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
+    const int err = errno;
     ::close(fd);
-    ::shm_unlink(name_.c_str());
-    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": ftruncate " + name_ + " to " +
-                            std::to_string(bytes_) + " bytes (is /dev/shm large enough?)"));
+    errno = err;
+    throw OdcError(sysError(me + ": ftruncate " + name_ + " to " + std::to_string(bytes_) +
+                            " bytes (is /dev/shm large enough?)"));
   }
   void* base = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
-  if (base == MAP_FAILED) {
-    ::shm_unlink(name_.c_str());
-    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": mmap " + name_));
-  }
+  if (base == MAP_FAILED) throw OdcError(sysError(me + ": mmap " + name_));
   bases_[rank_] = static_cast<uint8_t*>(base);
   pids_[rank_] = ::getpid();
   atomic64(bases_[rank_] + layout.controlPid())->store(static_cast<uint64_t>(::getpid()));
+  startLifeLock();  // held before any peer can map the region
   rdv.set(prefix + "/shm/name/" + std::to_string(rank_), name_);
-  try {
-    for (int r = 0; r < world_; ++r) {
-      if (r == rank_) continue;
-      const std::string peer_name = rdv.get(prefix + "/shm/name/" + std::to_string(r), timeout);
-      const int pfd = ::shm_open(peer_name.c_str(), O_RDWR, 0600);
-      if (pfd < 0) {
-        throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": opening peer rank " +
-                                std::to_string(r) + "'s region " + peer_name));
-      }
-      void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
-      ::close(pfd);
-      if (p == MAP_FAILED) {
-        throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": mapping peer rank " +
-                                std::to_string(r) + "'s region"));
-      }
-      bases_[r] = static_cast<uint8_t*>(p);
-      pids_[r] = static_cast<int>(atomic64(bases_[r] + layout.controlPid())->load());
-    }
-    // Every rank has mapped every region: names are no longer needed.
-    rdv.set(prefix + "/shm/mapped/" + std::to_string(rank_), "1");
-    for (int r = 0; r < world_; ++r) {
-      if (r != rank_) rdv.get(prefix + "/shm/mapped/" + std::to_string(r), timeout);
-    }
-  } catch (...) {
-    ::shm_unlink(name_.c_str());
-    close();
-    throw;
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    const std::string peer_name = await(rdv, prefix, prefix + "/shm/name/" + std::to_string(r),
+                                        "peer rank " + std::to_string(r) + "'s region name");
+    mapPeer(r, token, peer_name);
   }
-  ::shm_unlink(name_.c_str());
+  rdv.set(prefix + "/shm/mapped/" + std::to_string(rank_), "1");
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    await(rdv, prefix, prefix + "/shm/mapped/" + std::to_string(r),
+          "peer rank " + std::to_string(r) + " to map every region");
+  }
+}
+
+void ShmTransport::mapPeer(int r, const std::string& token, const std::string& peer_name) {
+  const std::string refuse = "odc: rank " + std::to_string(rank_) + ": refusing peer rank " +
+                             std::to_string(r) + "'s shared-memory region '" + peer_name + "': ";
+  const std::string advice = ". Only a region this job's rank " + std::to_string(r) +
+                             " just created is mapped (a stale or spoofed segment?); attach again.";
+  // The name must be the one rank r of this job creates: /odc-<token>-<pid>-r<r>.
+  const std::string head = "/odc-" + token + "-";
+  const std::string tail = "-r" + std::to_string(r);
+  const bool shaped =
+      peer_name.size() > head.size() + tail.size() &&
+      peer_name.compare(0, head.size(), head) == 0 &&
+      peer_name.compare(peer_name.size() - tail.size(), tail.size(), tail) == 0 &&
+      peer_name.find_first_not_of("0123456789", head.size()) == peer_name.size() - tail.size();
+  if (!shaped) throw OdcError(refuse + "not a name of this job (token " + token + ")" + advice);
+  const int pfd = ::shm_open(peer_name.c_str(), O_RDWR | O_NOFOLLOW, 0);
+  if (pfd < 0) throw OdcError(sysError(refuse + "shm_open"));
+  struct stat st {};
+  std::string problem;
+  if (::fstat(pfd, &st) != 0) {
+    problem = std::string("fstat: ") + std::strerror(errno);
+  } else if (st.st_uid != ::geteuid()) {
+    problem = "it is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+              std::to_string(::geteuid()) + ")";
+  } else if ((st.st_mode & 07777) != 0600) {
+    char mode[16];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    problem = std::string("its mode is ") + mode + ", not 0600";
+  } else if (!S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != bytes_) {
+    problem = "it has " + std::to_string(st.st_size) + " bytes, not the " + std::to_string(bytes_) +
+              " bytes of the attached layout";
+  }
+  if (!problem.empty()) {
+    ::close(pfd);
+    throw OdcError(refuse + problem + advice);
+  }
+  names_to_unlink_.push_back(peer_name);
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+  ::close(pfd);
+  if (p == MAP_FAILED) throw OdcError(sysError(refuse + "mmap"));
+  bases_[r] = static_cast<uint8_t*>(p);
+  pids_[r] = static_cast<int>(atomic64(bases_[r] + layout_.controlPid())->load());
+}
+
+void ShmTransport::unlinkKnownNames() {
+  for (const auto& n : names_to_unlink_) ::shm_unlink(n.c_str());  // ENOENT: already unlinked
+  names_to_unlink_.clear();
+}
+
+void ShmTransport::startLifeLock() {
+  auto* life = reinterpret_cast<pthread_mutex_t*>(bases_[rank_] + layout_.controlLife());
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  const int rc = pthread_mutex_init(life, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) {
+    errno = rc;
+    throw OdcError(sysError("odc: rank " + std::to_string(rank_) + ": life lock init"));
+  }
+  life_stop_ = false;
+  life_locked_ = false;
+  life_thread_ = std::thread([this, life] {
+    pthread_mutex_lock(life);
+    std::unique_lock<std::mutex> lock(life_mu_);
+    life_locked_ = true;
+    life_cv_.notify_all();
+    life_cv_.wait(lock, [this] { return life_stop_; });
+    // Returns holding `life`: the kernel marks it owner-dead, as when the process dies.
+  });
+  std::unique_lock<std::mutex> lock(life_mu_);
+  life_cv_.wait(lock, [this] { return life_locked_; });
+}
+
+void ShmTransport::stopLifeLock() {
+  if (!life_thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(life_mu_);
+    life_stop_ = true;
+  }
+  life_cv_.notify_all();
+  life_thread_.join();
 }
 
 void ShmTransport::close() {
+  stopLifeLock();  // before unmapping: the kernel marks the life lock in the mapped region
   for (auto& b : bases_) {
     if (b) ::munmap(b, bytes_);
     b = nullptr;
@@ -207,7 +324,8 @@ void ShmTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream
 }
 
 void ShmTransport::accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset,
-                              const void* src, size_t numel, DType dtype, double scale, Stream) {
+                              uint64_t epoch, const void* src, size_t numel, DType dtype,
+                              double scale, Stream) {
   if (numel == 0) return;
   constexpr size_t kBlock = RegionLayout::kLockBlockElems;
   const size_t src_size = elementSize(dtype);
@@ -218,21 +336,60 @@ void ShmTransport::accumulate(int peer, size_t accum_offset, size_t elem, size_t
   // covers, so two pushes that overlap always take the same lock for the same elements.
   const size_t first_block = elem / kBlock;
   const size_t blocks = (elem + numel - 1) / kBlock - first_block + 1;
+  const auto deadline = Clock::now() + timeout_;  // the op's: it runs synchronously on the CPU
   // Start at a rank-dependent block so concurrent pushers spread over the lock words.
   for (size_t i = 0; i < blocks; ++i) {
     const size_t b = first_block + (i + static_cast<size_t>(rank_)) % blocks;
     const size_t begin = std::max(elem, b * kBlock);
     const size_t n = std::min(elem + numel, (b + 1) * kBlock) - begin;
     auto* lock = atomic32(at(peer, locks_offset + b * sizeof(uint32_t)));
-    uint32_t expected = 0;
-    int spins = 0;
-    while (!lock->compare_exchange_weak(expected, 1, std::memory_order_acquire,
-                                        std::memory_order_relaxed)) {
-      expected = 0;
-      if (++spins > 64) std::this_thread::yield();
-    }
+    lockBlock(lock, peer, locks_offset, b, epoch, deadline);
     accumulateCpu(acc + begin * acc_size, s + (begin - elem) * src_size, n, dtype, scale);
     lock->store(0, std::memory_order_release);
+  }
+}
+
+std::string ShmTransport::keyOfLocks(size_t locks_offset) const {
+  for (size_t k = 0; k < layout_.numKeys(); ++k) {
+    if (layout_.offsets(k).first_lock == locks_offset) return layout_.key(k).name;
+  }
+  return "?";
+}
+
+void ShmTransport::lockBlock(std::atomic<uint32_t>* lock, int owner, size_t locks_offset,
+                             size_t block, uint64_t epoch, Clock::time_point deadline) {
+  const uint32_t me = static_cast<uint32_t>(rank_) + 1;
+  uint32_t expected = 0;
+  int spins = 0;
+  auto next_liveness = Clock::now();
+  while (!lock->compare_exchange_weak(expected, me, std::memory_order_acquire,
+                                      std::memory_order_relaxed)) {
+    const uint32_t holder = expected;
+    expected = 0;
+    if (++spins <= 64) continue;
+    std::this_thread::yield();
+    const auto now = Clock::now();
+    if (holder == 0 || now < next_liveness) continue;
+    next_liveness = now + std::chrono::milliseconds(5);
+    const int holder_rank = static_cast<int>(holder) - 1;
+    const auto what = [&] {
+      return "the accumulation lock of block " + std::to_string(block) + " of key '" +
+             keyOfLocks(locks_offset) + "' in rank " + std::to_string(owner) +
+             "'s accumulator (minibatch " + std::to_string(epoch) + "), held by peer rank " +
+             std::to_string(holder_rank);
+    };
+    if (holder_rank >= 0 && holder_rank < world_ && !peerAlive(holder_rank)) {
+      // Never taken over: the holder may have added part of its block.
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": the peer process exited holding " +
+                     what() + ". That block may be half-added, so minibatch " +
+                     std::to_string(epoch) +
+                     " cannot complete: restart the job from its last checkpoint.");
+    }
+    if (now >= deadline) {
+      throw OdcTimeout("odc: rank " + std::to_string(rank_) + " timed out after " +
+                       std::to_string(timeout_.count() / 1000.0) + " s waiting for " + what() +
+                       ": is that rank stuck?");
+    }
   }
 }
 
@@ -253,17 +410,18 @@ void ShmTransport::zeroLocal(size_t offset, size_t bytes, Stream) {
 }
 
 bool ShmTransport::peerAlive(int peer) {
-  const int pid = pids_.at(static_cast<size_t>(peer));
-  if (pid <= 0) return true;
-  if (::kill(pid, 0) != 0 && errno != EPERM) return false;
-  // A process that exited but was not yet reaped is a zombie: dead for our purposes.
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const auto close_paren = line.rfind(')');
-  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return true;
-  const char state = line[close_paren + 2];
-  return state != 'Z' && state != 'X';
+  uint8_t* base = bases_.at(static_cast<size_t>(peer));
+  if (peer == rank_) return true;
+  if (dead_[peer].load(std::memory_order_relaxed)) return false;
+  if (!base) return true;  // not mapped yet: nothing known
+  auto* life = reinterpret_cast<pthread_mutex_t*>(base + layout_.controlLife());
+  const int rc = pthread_mutex_trylock(life);
+  if (rc == EBUSY) return true;  // its owner holds it: alive
+  // EOWNERDEAD: we now hold a dead owner's lock. Unlocked without pthread_mutex_consistent it
+  // becomes unrecoverable, so every other peer sees ENOTRECOVERABLE: dead, never "busy".
+  if (rc == EOWNERDEAD || rc == 0) pthread_mutex_unlock(life);
+  dead_[peer].store(true, std::memory_order_relaxed);
+  return false;
 }
 
 }  // namespace torch_odc

@@ -123,7 +123,7 @@ setup(
     "parameter server",
     packages=find_packages(include=["torch_odc", "torch_odc.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
+    install_requires=["torch>=2.11,<2.16"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],
                     "bench": ["matplotlib", "numpy"]},
     ext_modules=[_extension()],

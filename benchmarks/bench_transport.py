@@ -3,9 +3,12 @@
 For each message size (bytes per rank of the wire dtype) it times, side by side on the same GPUs:
 NCCL all_gather_into_tensor (bf16); the odc keyed gather in steady state (key already published in
 this minibatch); the odc publishing gather (the first gather after a minibatch barrier); NCCL
-reduce_scatter_tensor (fp32, SUM); the odc keyed push-accumulate (fp32). Once per size (untimed) it
+reduce_scatter_tensor (fp32, SUM); the odc keyed push-accumulate (fp32); and the same element count
+in bf16: NCCL reduce-scatter in bf16 and the odc push of bf16 into the fp32 accumulator (widened
+in registers: the remote reductions move fp32, twice the source bytes). Once per size (untimed) it
 checks that the odc gather equals NCCL's bitwise and that k pushes accumulate exactly. Rank 0
 writes transport_{N}gpu.json and transport_{N}gpu.png under --out and prints the table last.
+With more ranks than GPUs (ranks sharing a GPU: NCCL refuses that) only the odc ops run.
 
     torchrun --nproc-per-node=2 benchmarks/bench_transport.py --out benchmarks/results
     torchrun --nproc-per-node=4 benchmarks/bench_transport.py --out benchmarks/results
@@ -29,19 +32,27 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # machine policy: never NVLink m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
-OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "nccl_reducescatter", "odc_push")
+OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "nccl_reducescatter", "odc_push",
+       "nccl_reducescatter_bf16", "odc_push_bf16")
 GATHER_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 PUSHES = 3  # pushes per minibatch in the accumulate check
 RATIOS = {  # ratio name: (odc op, NCCL op it is compared with, done-when target or None)
     "gather": ("odc_gather", "nccl_allgather", 0.90),
     "push": ("odc_push", "nccl_reducescatter", 0.80),
     "publish_gather": ("odc_publish_gather", "nccl_allgather", None),
+    "push_bf16": ("odc_push_bf16", "nccl_reducescatter_bf16", None),
 }
 CHECKS = {  # the correctness checks shown next to each odc op
     "odc_gather": ("gather_publish_bitwise", "gather_steady_bitwise"),
     "odc_publish_gather": ("gather_publish_bitwise",),
     "odc_push": ("push_accumulate_exact",),
+    "odc_push_bf16": ("push_bf16_accumulate_exact",),
 }
+
+
+def op_bytes(op: str, size: int) -> int:
+    """Bytes per rank an op moves at message size `size` (the bf16 ops: half, same elements)."""
+    return size // 2 if op.endswith("_bf16") else size
 
 
 def time_op(fn, iters: int, warmup: int) -> list[float]:
@@ -71,7 +82,7 @@ class Odc:
         self.accum_numel = [s // REDUCE_DTYPE.itemsize for s in sizes]
         self.published: set[int] = set()
         keys = [
-            (f"size{s // MB}MB", g, "bfloat16", a, "float32")
+            (f"size{s // MB}MB", g, "bfloat16", [a], "float32")
             for s, g, a in zip(sizes, self.gather_numel, self.accum_numel, strict=True)
         ]
         self.backend._connect_engine(keys, device_index=device.index)
@@ -125,29 +136,39 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dic
     rs_in = (base + 16 * torch.arange(world, device=device)[:, None] + rank).flatten()
     rs_out = torch.zeros(n_r, dtype=REDUCE_DTYPE, device=device)
 
+    # The same small integers in bf16 (exact below 256): a bf16 push of the same elements.
+    rs_in16, rs_out16 = rs_in.to(torch.bfloat16), rs_out.to(torch.bfloat16)
+
     def ag():
         dist.all_gather_into_tensor(out_nccl, shard, group=nccl)
 
     def rs():
         dist.reduce_scatter_tensor(rs_out, rs_in, op=dist.ReduceOp.SUM, group=nccl)
 
-    times["nccl_allgather"] = time_op(ag, args.iters, args.warmup)
-    times["nccl_reducescatter"] = time_op(rs, args.iters, args.warmup)
+    def rs16():
+        dist.reduce_scatter_tensor(rs_out16, rs_in16, op=dist.ReduceOp.SUM, group=nccl)
+
+    if nccl is not None:
+        times["nccl_allgather"] = time_op(ag, args.iters, args.warmup)
+        times["nccl_reducescatter"] = time_op(rs, args.iters, args.warmup)
+        times["nccl_reducescatter_bf16"] = time_op(rs16, args.iters, args.warmup)
     if odc is None:
         return times, checks, error
     try:
         out_odc = torch.empty_like(out_nccl)
         odc.barrier()  # a fresh minibatch: the next gather of key k publishes
-        ag()
         odc.gather(k, out_odc, shard)
-        checks["gather_publish_bitwise"] = torch.equal(
-            out_odc.view(torch.int16), out_nccl.view(torch.int16)
-        )
+        if nccl is not None:
+            ag()
+            checks["gather_publish_bitwise"] = torch.equal(
+                out_odc.view(torch.int16), out_nccl.view(torch.int16)
+            )
         out_odc.zero_()
         odc.gather(k, out_odc, shard)
-        checks["gather_steady_bitwise"] = torch.equal(
-            out_odc.view(torch.int16), out_nccl.view(torch.int16)
-        )
+        if nccl is not None:
+            checks["gather_steady_bitwise"] = torch.equal(
+                out_odc.view(torch.int16), out_nccl.view(torch.int16)
+            )
         times["odc_gather"] = time_op(
             lambda: odc.gather(k, out_odc, shard), args.iters, args.warmup
         )
@@ -172,6 +193,16 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dic
             odc.release()
         times["odc_push"] = time_op(lambda: odc.push(k, rs_out, rs_in), args.iters, args.warmup)
         odc.barrier()  # zero the accumulators again
+        for _ in range(PUSHES):
+            odc.push(k, rs_out16.zero_(), rs_in16)
+        odc.arrive()
+        try:
+            checks["push_bf16_accumulate_exact"] = torch.equal(odc.backend._accumulator(k), want)
+        finally:
+            odc.release()
+        times["odc_push_bf16"] = time_op(lambda: odc.push(k, rs_out16, rs_in16), args.iters,
+                                         args.warmup)
+        odc.barrier()
     except Exception as err:  # noqa: BLE001  (recorded; the NCCL numbers still count)
         error = f"{type(err).__name__}: {err}"
     return times, checks, error
@@ -222,7 +253,7 @@ def plot(rows: list[dict], ratios: list[dict], world: int, path: str) -> None:
         title=f"{world} x {torch.cuda.get_device_name()}",
     )
     ax.set_xscale("log", base=2)
-    for (key, (odc_op, nccl_op, target)), color in zip(RATIOS.items(), "bgk", strict=True):
+    for (key, (odc_op, nccl_op, target)), color in zip(RATIOS.items(), "bgkm", strict=True):
         pts = [(r["size_bytes"] / MB, r[key]) for r in ratios if r[key] is not None]
         if pts:
             style = ":" if target is None else "-"
@@ -263,23 +294,24 @@ def main() -> None:
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
     import torch_odc  # noqa: F401  (registers "odc")
 
     dist.init_process_group("odc")
     rank, world = dist.get_rank(), dist.get_world_size()
-    nccl = dist.new_group(backend="nccl")
+    # NCCL needs one GPU per rank; control traffic goes over the default group (CPU, Gloo).
+    nccl = dist.new_group(backend="nccl") if world <= torch.cuda.device_count() else None
     sizes = [mb * MB for mb in args.sizes_mb]
 
     def all_ranks(value: float, op=dist.ReduceOp.MAX) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op, group=nccl)
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
         return t.item()
 
     def first_error(where: str, error: str | None) -> str | None:
         errors = [None] * world
-        dist.all_gather_object(errors, error, group=nccl)
+        dist.all_gather_object(errors, error)
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         return f"{where} (rank {bad[0][0]}): {bad[0][1]}" if bad else None
 
@@ -302,7 +334,7 @@ def main() -> None:
             if not all_ranks(op in times, dist.ReduceOp.MIN):
                 continue
             ms = all_ranks(statistics.median(times[op]))  # the slowest rank's median
-            algbw = world * size / (ms * 1e-3) / 1e9
+            algbw = world * op_bytes(op, size) / (ms * 1e-3) / 1e9
             busbw[op] = algbw * (world - 1) / world
             rows.append(
                 {
@@ -317,7 +349,8 @@ def main() -> None:
             )
         ratios.append(
             {"size_bytes": size}
-            | {r: busbw[o] / busbw[n] if o in busbw else None for r, (o, n, _) in RATIOS.items()}
+            | {r: busbw[o] / busbw[n] if o in busbw and n in busbw else None
+               for r, (o, n, _) in RATIOS.items()}
         )
         # Per check, over all ranks: True, False, or None where some rank did not run it.
         names = sorted({n for c in CHECKS.values() for n in c})
@@ -345,7 +378,9 @@ def main() -> None:
     latency = {r["op"]: r["ms_median"] for r in rows if r["size_bytes"] == MB}
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"transport_{world}gpu")
+        gpus = torch.cuda.device_count()
+        shared = "" if world <= gpus else f"_{world}ranks_on_{gpus}"  # ranks sharing GPUs
+        stem = os.path.join(args.out, f"transport_{min(world, gpus)}gpu{shared}")
         result = {
             "environment": environment(world),
             "config": vars(args),
@@ -369,7 +404,7 @@ def main() -> None:
         for r in rows:
             i = sizes.index(r["size_bytes"])
             key = next((k for k, (o, _, _) in RATIOS.items() if o == r["op"]), None)
-            ratio = f"{ratios[i][key]:6.3f}" if key else ""
+            ratio = f"{ratios[i][key]:6.3f}" if key and ratios[i][key] is not None else ""
             verdict = {True: "ok", False: "FAIL", None: "-"}
             check = " ".join(verdict[checks[i][n]] for n in CHECKS.get(r["op"], ()))
             print(
@@ -377,7 +412,7 @@ def main() -> None:
                 f"{r['busbw_gbps']:10.1f} {ratio:>6}  {check}"
             )
         print(f"done-when ({done['criterion']}): {'PASS' if done['pass'] else 'FAIL'}")
-    dist.barrier(group=nccl, device_ids=[local_rank])
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """The ODC primitive flow on 2 GPUs, without FSDP or NCCL: the workload for
 compute-sanitizer (memcheck, racecheck). Connects the engine with one key, runs a keyed gather
-(bf16), a keyed push (fp32), the barrier and a detach, and prints what it read.
+(bf16), keyed pushes (fp32, and bf16 widened into the fp32 accumulator), the barrier and a detach,
+and prints what it read. Two ranks may share one GPU (CUDA IPC within a device).
 
     compute-sanitizer --tool memcheck --target-processes all \
         torchrun --nproc-per-node=2 tests/sanitizer_flow.py
@@ -16,11 +17,11 @@ from torch_odc import _C
 
 faulthandler.enable()
 r = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(r)
+torch.cuda.set_device(r % torch.cuda.device_count())
 dist.init_process_group("odc")
 b = torch_odc.odc_backend()
 print(r, "connect", flush=True)
-b._connect_engine([("k0", 1024, "bfloat16", 1024, "float32")], r)
+b._connect_engine([("k0", 1024, "bfloat16", [1024], "float32")], torch.cuda.current_device())
 print(r, "connected", flush=True)
 inp = torch.full((1024,), float(r + 1), device="cuda", dtype=torch.bfloat16)
 out = torch.empty(2048, device="cuda", dtype=torch.bfloat16)
@@ -32,14 +33,15 @@ print(r, "gather", out[::1024].tolist(), flush=True)
 assert out[::1024].tolist() == [1.0, 2.0]
 g = torch.ones(2048, device="cuda")
 o = torch.empty(1024, device="cuda")
-_C._set_keyed_call(0)
-dist.reduce_scatter_tensor(o, g)
-_C._set_keyed_call(-1)
+for grad in (g, g.to(torch.bfloat16)):
+    _C._set_keyed_call(0)
+    dist.reduce_scatter_tensor(o.to(grad.dtype), grad)
+    _C._set_keyed_call(-1)
 torch.cuda.synchronize()
 b._arrive()
 acc = b._accumulator(0)[:2].tolist()
 print(r, "acc", acc, flush=True)
-assert acc == [2.0, 2.0]
+assert acc == [4.0, 4.0]
 b._release()
 b._disconnect_engine()
 print(r, "done", flush=True)

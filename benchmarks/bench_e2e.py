@@ -273,6 +273,23 @@ def calibrate(args, device, nccl_group):
     return agreed
 
 
+def hsdp_mesh(device, replicas: int, shards: int, backend):
+    """A (replicas x shards) HSDP mesh over groups of `backend` (None: the default, "odc"):
+    rank r is in shard group r // shards and replicate group r % shards."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank, layout = dist.get_rank(), torch.arange(replicas * shards).view(replicas, shards)
+    shard = replicate = None
+    for row in layout.tolist():  # every rank creates every group, in the same order
+        group = dist.new_group(row, backend=backend)
+        shard = group if rank in row else shard
+    for col in layout.t().tolist():
+        group = dist.new_group(col, backend=backend)
+        replicate = group if rank in col else replicate
+    return DeviceMesh.from_group([replicate, shard], device.type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
 def build(args, device, kind, eager_publish=True):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -282,8 +299,12 @@ def build(args, device, kind, eager_publish=True):
     with torch.device(device):
         model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
     odc = kind == "odc"
-    group = dist.group.WORLD if odc else build.nccl_group
-    mesh = DeviceMesh.from_group(group, device.type)
+    if args.mesh:  # HSDP: ODC inside each shard group vs FSDP2-HSDP over NCCL, same mesh
+        backend = None if odc else ("nccl" if device.type == "cuda" else "gloo")
+        mesh = hsdp_mesh(device, *args.mesh, backend)
+    else:
+        group = dist.group.WORLD if odc else build.nccl_group
+        mesh = DeviceMesh.from_group(group, device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -693,6 +714,9 @@ def main():
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"])
     p.add_argument("--seqs-per-rank", type=int, default=4)
+    p.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("REPLICAS", "SHARDS"),
+                   help="HSDP over a (replicas x shards) mesh: ODC inside each shard group and "
+                        "one all-reduce per minibatch across replicas, vs FSDP2-HSDP over NCCL")
     p.add_argument("--pack-tokens", type=int, default=1,
                    help="token cap of a microbatch: sequences are packed back to back with "
                         "document-causal (varlen flash) attention; 1 = one sequence each")

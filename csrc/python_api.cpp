@@ -134,6 +134,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      {static_cast<int64_t>(e.layout().offsets(key).accum_numel)},
                                      options);
            })
+      .def("_accumulator_section",
+           [](torch_odc::OdcBackend& self) {
+             // Every key's accumulator, as one flat tensor: they lie back to back in the region
+             // (alignment padding between them is never written, so it stays zero). HSDP
+             // all-reduces it across replicas in a few large buckets.
+             auto& e = self.engine("accumulators");
+             const auto& layout = e.layout();
+             if (layout.numKeys() == 0) return torch::empty({0});
+             const auto dtype = layout.key(0).accum_dtype;
+             for (size_t k = 1; k < layout.numKeys(); ++k) {
+               TORCH_CHECK(layout.key(k).accum_dtype == dtype,
+                           "odc: accumulators of different dtypes cannot be one section");
+             }
+             const size_t last = layout.numKeys() - 1;
+             const size_t bytes = layout.offsets(last).accum + layout.key(last).accumBytes() -
+                                  layout.offsets(0).accum;
+             auto options = torch::TensorOptions().dtype(scalarType(dtype));
+             if (const int dev = e.transport().deviceIndex(); dev >= 0) {
+               options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
+             }
+             return torch::from_blob(e.accumulator(0),
+                                     {static_cast<int64_t>(bytes / torch_odc::elementSize(dtype))},
+                                     options);
+           })
       .def("_release", &torch_odc::OdcBackend::barrierRelease,
            py::call_guard<py::gil_scoped_release>())
       .def("_stats", [](torch_odc::OdcBackend& self) {

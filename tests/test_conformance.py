@@ -123,7 +123,10 @@ def sharded(cfg, world):
     device = cfg.get("device", "cpu")
     model = make_model(cfg).to(torch.device("cuda", torch.cuda.current_device())
                                if device == "cuda" else "cpu")
-    kwargs = {"mesh": init_device_mesh(device, (world,)),
+    # cfg["mesh"] = (replicas, shards): HSDP over a 2-D mesh; otherwise 1-D FSDP.
+    mesh = (init_device_mesh(device, cfg["mesh"], mesh_dim_names=("replicate", "shard"))
+            if cfg.get("mesh") else init_device_mesh(device, (world,)))
+    kwargs = {"mesh": mesh,
               "reshard_after_forward": cfg.get("reshard_after_forward", True)}
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cfg["mp"][0],

@@ -251,26 +251,6 @@ def test_wrong_size_and_dtype_keyed_calls_are_clear_errors():
         assert errors["plain_allreduce"] == [2.0, 2.0, 2.0]
 
 
-def _attach_hsdp(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import torch_odc
-
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = fully_shard(make_model(False), mesh=mesh)
-    try:
-        torch_odc.attach(model)
-    except NotImplementedError as err:
-        return str(err)
-    return "accepted"
-
-
-def test_hsdp_is_rejected_at_attach():
-    for msg in run_ranks(4, _attach_hsdp):
-        assert "HSDP" in msg, msg
-
-
 def test_attach_without_fsdp_modules_is_a_value_error():
     import torch_odc
 

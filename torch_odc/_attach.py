@@ -8,6 +8,7 @@ call from the engine (csrc/engine) instead of a collective.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -25,6 +26,8 @@ _DTYPE_NAMES = {
     torch.float64: "float64",
 }
 _handles: list[Handle] = []
+# HSDP: the accumulators are all-reduced across replicas in buckets of at most this size.
+_REPLICA_BUCKET_BYTES = 256 << 20
 
 
 class _KeyedAllGather(_fsdp2.AllGather):
@@ -54,10 +57,9 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
-        # FSDP2 divides the reduce-scatter output by this factor after the collective (a divide
-        # factor, fp16 reduction or force-sum): ODC's output is zeros until the barrier, so the
-        # factor is applied to the push instead.
-        scale = 1.0 / _fsdp2.post_divide_factor(key.unit, input_tensor.dtype)
+        # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
+        # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
+        scale = _fsdp2.push_scale(key.unit, input_tensor.dtype)
         _C._set_keyed_call(self._key, params=params, scale=scale)
         try:
             return dist.reduce_scatter_tensor(
@@ -89,6 +91,13 @@ class _Key:
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
                 _DTYPE_NAMES[self.accum_dtype])
+
+    def before_forward(self) -> None:
+        self.watch_grads()
+        # HSDP with FSDP2's all-reduce off: FSDP2 adds each backward's reduce-scatter output
+        # (zeros under ODC) into a partial buffer, which torch 2.11 cannot do once the set of
+        # parameters with a gradient changes between microbatches. Nothing in it is needed.
+        _fsdp2.drop_partial_reduce_output(self.unit)
 
     def watch_grads(self) -> None:
         """Hooks every unsharded parameter (created by FSDP2 at its first all-gather, then
@@ -145,8 +154,10 @@ class Handle:
     """The attachment of one FSDP2 model to the odc backend; see :func:`attach`."""
 
     def __init__(self, model, backend, keys: list[_Key], device: torch.device,
-                 eager_publish: bool = True):
+                 eager_publish: bool = True, replicate_group=None):
         self.model, self._backend, self._keys, self.device = model, backend, keys, device
+        self._replicate = replicate_group  # HSDP: one all-reduce per minibatch across replicas
+        self._group = None  # the shard group the engine runs over (set by attach)
         self._publishing = False
         self._attached = True
         self._eager = eager_publish
@@ -179,12 +190,34 @@ class Handle:
         b._arrive()
         # (3) Finalize gradients from the accumulators, (4) zero them and start the next epoch.
         try:
+            got_grad = [b._grad_params(index) for index in range(len(self._keys))]
+            if self._replicate is not None:
+                got_grad = self._reduce_across_replicas(got_grad)
             for index, key in enumerate(self._keys):
-                _finalize(key, b._grad_params(index), b._accumulator(index))
+                _finalize(key, got_grad[index], b._accumulator(index))
+                _fsdp2.drop_partial_reduce_output(key.unit)
         finally:
             b._release()
             self._publish_pending = self._eager
         self._barrier_done, self._stepped = True, set()
+
+    def _reduce_across_replicas(self, got_grad: list[list[bool]]) -> list[list[bool]]:
+        """HSDP: every replica's shard group has arrived, so its accumulators are final. Sums
+        them over the replicate group (the inner backend: NCCL for CUDA, Gloo for CPU) in a few
+        large buckets, and ORs which parameters got a gradient on any replica. Pushes were
+        already scaled for FSDP2's averaging over the replicas, so the sum is the gradient."""
+        group = self._replicate
+        flags = torch.tensor([g for key in got_grad for g in key], dtype=torch.uint8)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        section = self._backend._accumulator_section()
+        per_bucket = _REPLICA_BUCKET_BYTES // section.element_size()
+        for start in range(0, section.numel(), per_bucket):
+            dist.all_reduce(section[start:start + per_bucket], group=group)
+        out, at = [], 0
+        for key in got_grad:
+            out.append([bool(f) for f in flags[at:at + len(key)].tolist()])
+            at += len(key)
+        return out
 
     def _check_barrier(self) -> None:
         """Raises, before anything changes, on a barrier that would silently train wrong."""
@@ -267,15 +300,24 @@ class Handle:
         return self._backend._stats()
 
     def detach(self) -> None:
-        """Restores FSDP2's own all-gather and reduce-scatter and releases the engine."""
+        """Restores FSDP2's own all-gather and reduce-scatter and releases the engine.
+
+        Collective, like attach: every rank of the group calls it. A rank frees its region only
+        after every rank's ODC work has completed (a peer may still be reading its shards or
+        pushing into its accumulators until then)."""
         if not self._attached:
             return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self._group)
         for hook in [*self._hooks, self._step_hook]:
             if hook is not None:
                 hook.remove()
         self._hooks, self._step_hook = [], None
         for key in self._keys:
             key.unwatch_grads()
+            if self._replicate is not None:
+                key.unit.module.set_requires_all_reduce(True, recurse=False)
             key.unit.module.set_custom_all_gather(key.prev_all_gather)
             key.unit.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
         self._backend._disconnect_engine()
@@ -313,7 +355,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         raise NotImplementedError(f"torch_odc.attach: {e}") from None
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("torch_odc.attach: the model has no FSDP2 module; call fully_shard first")
-    groups, devices = set(), set()
+    groups, devices = set(), set()  # (shard group, replicate group or None) per unit
     for unit in found:
         problem = _fsdp2.unsupported_reason(unit)
         if problem:
@@ -322,18 +364,19 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         if gather not in _DTYPE_NAMES:
             raise NotImplementedError(
                 f"torch_odc.attach: module '{unit.name}': parameters in {gather}")
-        groups.add(_fsdp2.shard_group(unit))
+        groups.add((_fsdp2.shard_group(unit), _fsdp2.replicate_group(unit)))
         devices.add(_fsdp2.device(unit))
     if len(groups) != 1 or len(devices) != 1:
         raise NotImplementedError(
             "torch_odc.attach: every FSDP2 module must shard over the same process group and device"
         )
-    group, device = groups.pop(), devices.pop()
+    (group, replicate), device = groups.pop(), devices.pop()
     backend = odc_backend(group)
     world = dist.get_world_size(group)
     entries = [_Key(unit, world) for unit in found]
-    handle = Handle(model, backend, entries, device, eager_publish)
-    reason = _collective_fallback_reason(group, device)
+    handle = Handle(model, backend, entries, device, eager_publish, replicate)
+    handle._group = group
+    reason = _collective_fallback_reason(group, device, replicate)
     if reason:
         warnings.warn(
             f"torch_odc.attach: {reason}; this model keeps collective semantics and "
@@ -345,12 +388,14 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     backend._connect_engine([k.spec() for k in entries],
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
+        if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
+            key.unit.module.set_requires_all_reduce(False, recurse=False)
         key.unit.module.set_custom_all_gather(_KeyedAllGather(handle, index))
         key.unit.module.set_custom_reduce_scatter(_KeyedReduceScatter(handle, index))
         # After FSDP2's own pre-forward (registered with prepend=True), which creates the
         # unsharded parameters at the module's first all-gather.
         handle._hooks.append(
-            key.unit.module.register_forward_pre_hook(lambda *_, k=key: k.watch_grads()))
+            key.unit.module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)
@@ -358,15 +403,25 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     return handle
 
 
-def _collective_fallback_reason(group, device: torch.device) -> str | None:
-    """Why on-demand mode cannot run for this group and device, or None when it can."""
+def host_id() -> str:
+    """This process's host, as attach compares it: ``ODC_HOST_ID`` if set (tests present ranks
+    of one machine as several hosts with it), else the host name."""
     import socket
 
+    return os.environ.get("ODC_HOST_ID") or socket.gethostname()
+
+
+def _collective_fallback_reason(group, device: torch.device, replicate=None) -> str | None:
+    """Why on-demand mode cannot run for this shard group and device, or None when it can.
+    Collective over the group; every rank of it gets the same answer."""
     if device.type == "cuda" and not _C._has_cuda_transport():
         return "this build has no CUDA transport (built without an nvcc matching torch's CUDA)"
     if device.type not in ("cpu", "cuda"):
         return f"no on-demand transport for {device.type} tensors"
     if dist.get_world_size(group) == 1:
+        if replicate is not None:
+            return ("HSDP shard groups of one rank: FSDP2's own path runs (a reduce-scatter of "
+                    "one and an all-reduce across replicas per microbatch)")
         return "a group of one rank has nothing to communicate (FSDP2 calls no collective)"
     if device.type == "cuda":
         # Collective: peer access and native atomics for every GPU pair, a kernel image here.
@@ -374,10 +429,16 @@ def _collective_fallback_reason(group, device: torch.device) -> str | None:
         if problem:
             return f"the CUDA IPC transport cannot run here: {problem}"
     hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, host_id(), group=group)
     if len(set(hosts)) > 1:
-        return (f"the group spans {len(set(hosts))} hosts; multi-node on-demand communication "
-                "is not supported yet")
+        n, per = len(set(hosts)), len(hosts) // len(set(hosts))
+        if replicate is not None:
+            return (f"its shard groups span {n} hosts; one-sided access needs each shard group "
+                    "on one host: make the mesh's shard dimension the GPUs of one host")
+        return (f"the group spans {n} hosts; one-sided access needs one host. Use hybrid "
+                "sharding, on-demand inside each host and one all-reduce per minibatch across "
+                f"them: mesh = init_device_mesh(device, ({n}, {per}), mesh_dim_names="
+                '("replicate", "shard")); fully_shard(module, mesh=mesh)')
     return None
 
 

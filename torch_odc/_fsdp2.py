@@ -30,8 +30,12 @@ What is read, and how it differs between 2.11 and 2.15:
   (same signature in both; 2.15 spells PREMUL_SUM as ``ReduceOp.PREMUL_SUM(f)``, 2.11 as
   ``_make_nccl_premul_sum(f)``, both reach the backend as a PreMulSumSupplement);
 * ``FSDPParamGroup.reduce_scatter_unused_params`` (2.15 only; False when absent);
-* mesh: ``mesh_info`` (``HSDPMeshInfo`` / ``DDPMeshInfo`` mean replication),
-  ``mesh_info.shard_process_group``, ``post_forward_mesh_info`` (``reshard_after_forward=int``);
+* mesh: ``mesh_info`` (``HSDPMeshInfo``: replicate x shard; a ``DDPMeshInfo`` that is not one:
+  replication only), ``mesh_info.shard_process_group``, ``replicate_process_group``,
+  ``post_forward_mesh_info`` (``reshard_after_forward=int``);
+* HSDP: with ``set_requires_all_reduce(False)`` (public) FSDP2 keeps each backward's
+  reduce-scatter output in ``FSDPParamGroup._partial_reduce_output`` (zeros under ODC), dropped at
+  the barrier;
 * the comm objects in place before attach: ``_all_gather_comm`` / ``_reduce_scatter_comm``, and
   the comm base classes ``_fsdp_api.AllGather`` / ``ReduceScatter``;
 * a parameter's name in its module: ``FSDPParam._module_info.param_name`` (for messages only).
@@ -95,11 +99,11 @@ def units(model: torch.nn.Module) -> list[Unit]:
 
 def unsupported_reason(unit: Unit) -> str | None:
     """What in this unit's FSDP2 configuration on-demand mode cannot serve exactly, or None."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
 
     group = unit.group
-    if isinstance(group.mesh_info, DDPMeshInfo):  # HSDPMeshInfo derives from it
-        return "HSDP (a 2-D mesh with replication) is not supported yet"
+    if isinstance(group.mesh_info, DDPMeshInfo) and not isinstance(group.mesh_info, FSDPMeshInfo):
+        return "replication without sharding (a DDP mesh) is not supported; use an HSDP mesh"
     post = group.post_forward_mesh_info
     if post is not None and post is not group.mesh_info:
         return ("reshard_after_forward=<int> (resharding to a smaller group after forward) is not "
@@ -121,6 +125,21 @@ def unsupported_reason(unit: Unit) -> str | None:
 
 def shard_group(unit: Unit):
     return unit.group.mesh_info.shard_process_group
+
+
+def replicate_group(unit: Unit):
+    """The HSDP replicate group (one rank per replica), or None for a 1-D FSDP mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    info = unit.group.mesh_info
+    return info.replicate_process_group if isinstance(info, HSDPMeshInfo) else None
+
+
+def drop_partial_reduce_output(unit: Unit) -> None:
+    """Frees what FSDP2 kept of this minibatch's reduce-scatter outputs (zeros under ODC) while
+    its HSDP all-reduce is off."""
+    if getattr(unit.group, "_partial_reduce_output", None) is not None:
+        unit.group._partial_reduce_output = None
 
 
 def device(unit: Unit) -> torch.device:
@@ -190,19 +209,24 @@ def reduces_unused_params(unit: Unit) -> bool:
     return bool(getattr(unit.group, "reduce_scatter_unused_params", False))
 
 
-def post_divide_factor(unit: Unit, reduce_dtype: torch.dtype) -> float:
-    """The factor FSDP2 divides the reduce-scatter output by after the collective (1.0 if none):
-    what a divide factor, fp16 reduction or force-sum leaves for after the reduction."""
+def push_scale(unit: Unit, reduce_dtype: torch.dtype) -> float:
+    """What FSDP2 applies to a reduce-scatter's result besides the reduce op's own factor, as one
+    factor for the push: its post-division (a divide factor, fp16 reduction or force-sum) and,
+    under HSDP, the replicate all-reduce's averaging (AVG over the replicas). ODC all-reduces
+    across replicas with SUM, so every rank scales its own pushes consistently."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
         _get_gradient_divide_factors,
     )
 
-    group = unit.group
-    _, post, _, _ = _get_gradient_divide_factors(
-        shard_group(unit), None, reduce_dtype, device(unit).type,
+    group, replicate = unit.group, replicate_group(unit)
+    _, post, _, all_reduce_op = _get_gradient_divide_factors(
+        shard_group(unit), replicate, reduce_dtype, device(unit).type,
         group.gradient_divide_factor, group.force_sum_reduction_for_comms,
     )
-    return float(post) if post is not None else 1.0
+    scale = 1.0 / float(post) if post is not None else 1.0
+    if replicate is not None and all_reduce_op == torch.distributed.ReduceOp.AVG:
+        scale /= replicate.size()
+    return scale
 
 
 def comms(unit: Unit):

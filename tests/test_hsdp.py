@@ -86,3 +86,14 @@ def test_an_hsdp_mesh_with_one_host_per_shard_group_runs_on_demand():
     for _, caught in results:
         assert caught == [], caught
     _close([p for p, _ in results], {"mesh": MESH}, UNEVEN, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
+                    reason="needs 4 CUDA GPUs (one per rank: the replicas all-reduce over NCCL)")
+@pytest.mark.parametrize("mp", [None, (BF16, FP32)], ids=["fp32", "bf16"])
+def test_gpu_hsdp_2x2_uneven_counts_equal_the_reference(mp):
+    cfg = {"mesh": MESH, "device": "cuda", "branch": True, "mp": mp}
+    shards = run_ranks(4, train, cfg, UNEVEN, cuda=True)
+    for replica in (shards[:2], shards[2:]):  # ranks 0-1 and 2-3 each hold the whole model
+        got = {k: torch.cat([r[k] for r in replica]) for k in replica[0]}
+        _close([got], cfg, UNEVEN, 4, REL16 if mp else 2e-5)

@@ -113,18 +113,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
            "Collective: why the CUDA IPC transport cannot run on this GPU and group, or ''.")
       .def_property_readonly(
-          "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch").epoch(); })
+          "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch")->epoch(); })
       .def("_published",
            [](torch_odc::OdcBackend& self, size_t key) {
-             return self.engine("published").publishedThisEpoch(key);
+             return self.engine("published")->publishedThisEpoch(key);
            })
       .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
            py::call_guard<py::gil_scoped_release>())
       .def("_grad_params", [](torch_odc::OdcBackend& self,
-                              size_t key) { return self.engine("grad params").gradParams(key); })
+                              size_t key) { return self.engine("grad params")->gradParams(key); })
       .def("_accumulator",
            [](torch_odc::OdcBackend& self, size_t key) {
-             auto& e = self.engine("accumulator");
+             const auto held = self.engine("accumulator");
+             auto& e = *held;
              const auto& spec = e.layout().key(key);
              auto options = torch::TensorOptions().dtype(scalarType(spec.accum_dtype));
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
@@ -139,7 +140,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              // Every key's accumulator, as one flat tensor: they lie back to back in the region
              // (alignment padding between them is never written, so it stays zero). HSDP
              // all-reduces it across replicas in a few large buckets.
-             auto& e = self.engine("accumulators");
+             const auto held = self.engine("accumulators");
+             auto& e = *held;
              const auto& layout = e.layout();
              if (layout.numKeys() == 0) return torch::empty({0});
              const auto dtype = layout.key(0).accum_dtype;
@@ -161,7 +163,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_release", &torch_odc::OdcBackend::barrierRelease,
            py::call_guard<py::gil_scoped_release>())
       .def("_stats", [](torch_odc::OdcBackend& self) {
-        auto& e = self.engine("stats");
+        const auto held = self.engine("stats");
+        auto& e = *held;
         py::dict d;
         d["rank"] = e.rank();
         d["minibatch"] = e.epoch();

@@ -523,10 +523,10 @@ void OdcBackend::disconnectEngine() {
 }
 
 void OdcBackend::noteCollective(c10d::OpType type) {
-  Engine* eng = nullptr;
+  std::shared_ptr<Engine> eng;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    eng = engine_.get();
+    eng = engine_;
   }
   if (eng) eng->noteCollective(c10d::opTypeToString(type));
 }
@@ -536,11 +536,11 @@ bool OdcBackend::hasEngine() const {
   return engine_ != nullptr;
 }
 
-Engine& OdcBackend::engine(const char* op) {
+std::shared_ptr<Engine> OdcBackend::engine(const char* op) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(engine_, "odc: rank ", rank_, ": ", op,
               " needs a model attached with torch_odc.attach(model) on this process group");
-  return *engine_;
+  return engine_;
 }
 
 namespace {
@@ -570,13 +570,15 @@ void checkTransportErrors(Engine& eng) {
 
 void OdcBackend::barrierArrive() {
   OpRange range("odc::barrier_arrive");
-  auto& eng = engine("minibatch barrier");
+  const auto held = engine("minibatch barrier");
+  auto& eng = *held;
   engineCall([&] { eng.arrive(barrierStream(eng)); });
 }
 
 void OdcBackend::barrierRelease() {
   OpRange range("odc::barrier_release");
-  auto& eng = engine("minibatch barrier");
+  const auto held = engine("minibatch barrier");
+  auto& eng = *held;
   engineCall([&] { eng.release(barrierStream(eng)); });
 }
 
@@ -597,7 +599,8 @@ std::string OdcBackend::cudaTransportProblem(int device_index) {
 }
 
 WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
-  auto& eng = engine("keyed all-gather");
+  const auto held = engine("keyed all-gather");
+  auto& eng = *held;
   const Stream stream = keyedStream(eng, input, output, "all-gather", key);
   engineCall([&] { checkTransportErrors(eng); });
   TORCH_CHECK(input.is_contiguous() && output.is_contiguous() &&
@@ -621,7 +624,8 @@ WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& inpu
 
 WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
                                        const c10d::ReduceScatterOptions& opts) {
-  auto& eng = engine("keyed reduce-scatter");
+  const auto held = engine("keyed reduce-scatter");
+  auto& eng = *held;
   const auto& name = eng.layout().key(static_cast<size_t>(key)).name;
   const Stream stream = keyedStream(eng, input, output, "reduce-scatter", key);
   engineCall([&] { checkTransportErrors(eng); });
@@ -700,8 +704,13 @@ WorkPtr OdcBackend::keyedWork(c10d::OpType type, const at::Tensor& output,
 
 void OdcBackend::checkDeviceErrors(int generation) {
 #ifdef ODC_WITH_CUDA
-  if (!engine_ || generation != engine_generation_ - 1) return;  // detached since
-  if (auto* t = dynamic_cast<CudaIpcTransport*>(&engine_->transport())) t->checkDeviceErrors();
+  std::shared_ptr<Engine> eng;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!engine_ || generation != engine_generation_ - 1) return;  // detached since
+    eng = engine_;
+  }
+  if (auto* t = dynamic_cast<CudaIpcTransport*>(&eng->transport())) t->checkDeviceErrors();
 #else
   (void)generation;
 #endif
@@ -727,7 +736,7 @@ void OdcBackend::close(bool abort) {
     // Abort: every pending device wait returns at once, so closing the engine never waits
     // for a peer. Shutdown waits for pending ODC work under the op deadlines.
     if (abort && engine_) engine_->transport().abort();
-    engine_.reset();  // unmaps the shared regions
+    engine_.reset();  // unmaps the shared regions once no call holds it any more
   }
   factory = nullptr;  // may release a Python callable: never under mu_
   for (auto* inner : {&cuda, &cpu}) {

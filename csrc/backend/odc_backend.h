@@ -108,7 +108,9 @@ class OdcBackend : public c10d::Backend {
   // device_index < 0: shared-memory transport (CPU tensors); otherwise CUDA IPC on that device.
   void connectEngine(const std::vector<KeySpec>& keys, int device_index);
   void disconnectEngine();
-  Engine& engine(const char* op);
+  // The connected engine; raises naming `op` if none. A caller keeps it alive for its call, so
+  // an abort() or detach from another thread never frees an engine in use.
+  std::shared_ptr<Engine> engine(const char* op);
   // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
   void barrierArrive();
   void barrierRelease();
@@ -166,7 +168,7 @@ class OdcBackend : public c10d::Backend {
   mutable std::mutex mu_;  // guards the inner backends (cuda_ created lazily) and shutdown_
   BackendPtr cuda_;
   bool shutdown_ = false;
-  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<Engine> engine_;
   int engine_generation_ = 0;
   int support_checks_ = 0;
 };

@@ -109,6 +109,10 @@ def reference(cfg, plan, world) -> dict:
         tokens = sum(s.shape[1] - 1 for s in seqs)
         for seq in seqs:
             (loss_of(model, seq) * scale / tokens).backward()
+        if cfg.get("rs_unused"):  # FSDP2 then reduce-scatters zeros for unused parameters
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -139,6 +143,8 @@ def sharded(cfg, world):
             module.set_gradient_divide_factor(cfg["divide_factor"])
         if cfg.get("force_sum") and hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
+        if cfg.get("rs_unused") and hasattr(module, "set_reduce_scatter_unused_params"):
+            module.set_reduce_scatter_unused_params(True)
     return model
 
 
@@ -262,6 +268,21 @@ def test_gpu_odc_equals_reference(name):
     for key, ref in want.items():
         torch.testing.assert_close(got[key], ref, rtol=0, atol=atol,
                                    msg=lambda m, k=key: f"GPU {name} {k}: {m}")
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("torch.distributed.fsdp").distributed.fsdp.FSDPModule,
+                "set_reduce_scatter_unused_params"),
+    reason="FSDPModule.set_reduce_scatter_unused_params is new in torch 2.15")
+def test_reduce_scatter_unused_params_sets_zero_gradients_like_fsdp2():
+    """With set_reduce_scatter_unused_params(True) FSDP2 reduce-scatters zeros for trainable
+    parameters without a gradient (so .grad is zeros, not None: momentum moves them)."""
+    cfg = {"branch": True, "rs_unused": True}
+    results = run_ranks(2, train, cfg, PLANS[2])
+    want = reference(cfg, PLANS[2], 2)
+    for got in results:
+        for key, ref in want.items():
+            torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
 
 
 def test_dcp_checkpoint_and_reattach_mid_training():

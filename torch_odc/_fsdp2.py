@@ -8,6 +8,7 @@ version comparisons. Supported and tested: torch 2.11 through 2.15.
 
 What is read, and how it differs between 2.11 and 2.15:
 
+* a module's state: ``FSDPModule._get_fsdp_state()`` (both);
 * a module's param group: ``FSDPState._fsdp_param_group`` (2.11) vs the list
   ``FSDPState._fsdp_param_groups`` (2.15; several groups only with per-parameter meshes from
   ``shard_placement_fn``, which we refuse);
@@ -34,7 +35,8 @@ What is read, and how it differs between 2.11 and 2.15:
   replication only), ``mesh_info.shard_process_group``, ``replicate_process_group``,
   ``post_forward_mesh_info`` (``reshard_after_forward=int``);
 * HSDP: with ``set_requires_all_reduce(False)`` (public) FSDP2 keeps each backward's
-  reduce-scatter output in ``FSDPParamGroup._partial_reduce_output`` (zeros under ODC), dropped at
+  reduce-scatter output in ``FSDPParamGroup._partial_reduce_output`` (zeros under ODC), dropped
+  before every forward (2.11 cannot add outputs of different parameter subsets into it) and at
   the barrier;
 * the comm objects in place before attach: ``_all_gather_comm`` / ``_reduce_scatter_comm``, and
   the comm base classes ``_fsdp_api.AllGather`` / ``ReduceScatter``;

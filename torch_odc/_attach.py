@@ -164,7 +164,7 @@ class Handle:
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
         self._hooks: list = []
         self._step_hook = None
-        self._params = [p for p in model.parameters()]
+        self._params = list(model.parameters())
         self._param_ids = {id(p) for p in self._params}
         # Misuse detection: a barrier since attach, and the optimizers stepped since the last one.
         self._barrier_done = False

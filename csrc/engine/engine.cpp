@@ -268,7 +268,7 @@ bool Engine::publishedThisEpoch(size_t key) const {
 std::string Engine::collectivesMismatch(int peer, uint64_t mine, uint64_t theirs) const {
   std::string last;
   {
-    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(op_mu_));
+    std::lock_guard<std::mutex> lock(op_mu_);
     last = last_collective_.empty() ? "none" : last_collective_;
   }
   return "odc: rank " + std::to_string(rank_) + ": in minibatch " + std::to_string(epoch_) +

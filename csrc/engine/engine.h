@@ -114,7 +114,7 @@ class Engine {
   std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
   std::vector<uint64_t> peer_bits_;    // union over all ranks, valid between arrive and release
   std::atomic<uint64_t> collectives_{0};
-  std::mutex op_mu_;
+  mutable std::mutex op_mu_;
   std::string last_collective_;  // guarded by op_mu_
   mutable std::mutex mu_;
   EngineStats current_, last_, total_;

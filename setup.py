@@ -9,6 +9,7 @@ Build without isolation so the extension links against the torch you run:
 import glob
 import os
 import re
+import shutil
 import subprocess
 
 from setuptools import find_packages, setup
@@ -99,10 +100,26 @@ def _extension():
     )
 
 
+def _links_shared_libstdcxx(compiler: str) -> bool:
+    """Whether `compiler` links the shared libstdc++ (it resolves libstdc++.so to a file)."""
+    try:
+        out = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return True  # not a GCC-style driver: nothing to check
+    return os.path.isabs(out)
+
+
 class _BuildExtension(BuildExtension):
-    """Links without -Bsymbolic-functions (added by some Pythons' LDSHARED): with it, the weak
-    libstdc++ template copies a newer compiler emits into our .so bind to themselves instead of the
-    loaded libstdc++, and a header/runtime mismatch then crashes inside iostreams."""
+    """Links the extension against the shared libstdc++ that torch loads, never a private copy.
+
+    A private (static) libstdc++ shares the process's iostream and locale data with the loaded
+    one but not its code: the first number formatted into an error message then crashes
+    (seen on a GPU image whose CXX, /opt/gcc/bin/g++, ships only libstdc++.a: a SIGSEGV in
+    c10::str inside OdcBackend::engine). So the C++ compiler, which also links, must resolve
+    libstdc++.so (CXX is replaced below when it does not). Also drops -Bsymbolic-functions (added
+    by some Pythons' LDSHARED), which binds weak libstdc++ template copies in our .so to
+    themselves instead of the loaded libstdc++."""
 
     def initialize_options(self):
         super().initialize_options()
@@ -111,10 +128,30 @@ class _BuildExtension(BuildExtension):
         self.build_temp = os.path.join(ROOT, "build", f"temp-torch-{torch.__version__}")
 
     def build_extensions(self):
-        linker = self.compiler.linker_so
-        self.compiler.linker_so = [a for a in linker if a != "-Wl,-Bsymbolic-functions"]
+        for attr in ("linker_so", "linker_so_cxx"):  # linker_so_cxx: setuptools >= 72, C++ links
+            cmd = getattr(self.compiler, attr, None)
+            if not cmd:
+                continue
+            setattr(self.compiler, attr, [a for a in cmd if a != "-Wl,-Bsymbolic-functions"])
         super().build_extensions()
 
+
+def _shared_libstdcxx_linker(compiler: str) -> str:
+    for candidate in (shutil.which("g++"), shutil.which("c++"), "/usr/bin/g++"):
+        if candidate and os.path.exists(candidate) and _links_shared_libstdcxx(candidate):
+            print(f"torch-odc: {compiler} links only a static libstdc++; building with "
+                  f"{candidate} instead, against the shared libstdc++ torch uses")
+            return candidate
+    raise SystemExit(
+        f"torch-odc: the C++ compiler {compiler} has no shared libstdc++ (only libstdc++.a), and "
+        "no g++ on PATH has one. A private libstdc++ in the extension crashes next to torch's: "
+        "set CXX to a g++ whose `g++ -print-file-name=libstdc++.so` prints a path."
+    )
+
+
+# The C++ compiler (it also links the extension): one with the shared libstdc++ (see above).
+if not _links_shared_libstdcxx(os.environ.get("CXX", "c++")):
+    os.environ["CXX"] = _shared_libstdcxx_linker(os.environ.get("CXX", "c++"))
 
 setup(
     name="torch-odc",

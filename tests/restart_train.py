@@ -1,9 +1,8 @@
 """FSDP2 + torch_odc training that survives a killed rank under ``torchrun --max-restarts``.
 
-Launched by tests/test_restart.py (see there for why the environment variable is needed),
-2 CPU ranks:
+Launched by tests/test_restart.py, 2 CPU ranks:
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --standalone \\
+    python -m torch.distributed.run --standalone \\
         --nnodes=1 --nproc-per-node=2 --max-restarts=1 --monitor-interval=0.5 \\
         tests/restart_train.py --out DIR [--kill-step S]
 

@@ -11,10 +11,11 @@ rounding depends on timing: two uninterrupted runs already differ by up to 1.2e-
 restarted run is bit-identical). ATOL is 2e-6, and the test checks that every step moves the
 parameters by far more, so a replayed or skipped step, or lost optimizer state, would fail it.
 
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is needed: by default torchrun (2.11 and 2.15) reuses the
-agent's TCPStore for the restarted workers without a per-attempt prefix, so they read the dead
-attempt's keys: Gloo's connectFullMesh dials dead ranks' addresses (a plain "gloo" job fails the
-same way) and ODC's shared-memory rendezvous reads the dead attempt's names.
+Runs with torchrun's defaults: torchrun reuses the agent's TCPStore for the restarted workers
+without a per-attempt prefix (torch 2.11 and 2.15; pytorch#135712), so a plain "gloo" job's
+restart reads the dead attempt's keys and fails in connectFullMesh. The odc backend puts every key
+of its own and of its inner backends under a per-attempt prefix (torch_odc/_backend.py), so this
+job restarts cleanly.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ def torchrun(out: str, kill_step: int | None, limit_s: float = 150.0) -> float:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }
     log_path = os.path.join(out, "torchrun.log")

@@ -27,9 +27,22 @@ def _nccl_factory(store, rank: int, size: int, timeout):
     return create
 
 
+def _attempt_store(store):
+    """The store with a prefix per torchrun attempt. Under torchrun the workers use the agent's
+    store, which a restart (--max-restarts) reuses without clearing: the new workers would read
+    the dead attempt's keys (its gloo addresses, its shared-memory names). Every key ODC and its
+    inner backends write goes under this attempt's prefix instead."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"odc/attempt-{attempt}/", store)
+    return store
+
+
 def _create_backend(backend_opts, pg_options) -> _C.OdcBackend:
     """c10d plugin entry point (extended API): one backend object serves cpu and cuda."""
-    store = backend_opts.store
+    store = _attempt_store(backend_opts.store)
     rank, size, timeout = backend_opts.group_rank, backend_opts.group_size, backend_opts.timeout
     return _C.OdcBackend(
         store,

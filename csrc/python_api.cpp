@@ -160,8 +160,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                      {static_cast<int64_t>(bytes / torch_odc::elementSize(dtype))},
                                      options);
            })
-      .def("_release", &torch_odc::OdcBackend::barrierRelease,
+      .def("_release", &torch_odc::OdcBackend::barrierRelease, py::arg("zero") = true,
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "_arrived", [](torch_odc::OdcBackend& self) { return self.engine("arrived")->arrived(); })
       .def("_stats", [](torch_odc::OdcBackend& self) {
         const auto held = self.engine("stats");
         auto& e = *held;
@@ -171,6 +173,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
         // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
         d["region_bytes"] = e.layout().bytes();
+        // The region by use: published shard caches, gradient accumulators (FSDP2's sharded
+        // .grad are views of them after the barrier), and the rest (control words, flags, lock
+        // words, alignment).
+        py::dict memory;
+        memory["published_cache_bytes"] = e.layout().cacheBytes();
+        memory["accumulator_bytes"] = e.layout().accumBytes();
+        memory["control_bytes"] =
+            e.layout().bytes() - e.layout().cacheBytes() - e.layout().accumBytes();
+        d["memory"] = memory;
         d["current"] = statsDict(e.currentStats());
         d["last"] = statsDict(e.lastStats());
         d["total"] = statsDict(e.totalStats());

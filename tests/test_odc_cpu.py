@@ -266,8 +266,8 @@ def test_odc_operations_are_profiler_ranges():
         assert f"odc::gather {k}" in names[0] and f"odc::push {k}" in names[0], names[0]
         assert f"odc::publish {k}" in names[1], names[1]
     for rank_names in names:
-        assert {"odc::minibatch_barrier", "odc::barrier_arrive",
-                "odc::barrier_release"} <= set(rank_names), rank_names
+        # odc::barrier_release runs when a rank enters the next minibatch (not profiled here).
+        assert {"odc::minibatch_barrier", "odc::barrier_arrive"} <= set(rank_names), rank_names
     # Rank 0 ran a forward (eager publish at its first); rank 1 ran none, so it published in
     # the barrier instead.
     assert "odc::publish_all" in names[0] and "odc::publish_all" not in names[1], names

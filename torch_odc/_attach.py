@@ -38,6 +38,7 @@ class _KeyedAllGather(_fsdp2.AllGather):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self._handle._enter_minibatch()
         _C._set_keyed_call(self._key, self._handle._publishing)
         try:
             return dist.all_gather_into_tensor(
@@ -55,6 +56,7 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self._handle._enter_minibatch()
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
         # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
@@ -87,6 +89,12 @@ class _Key:
         self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
         self._pushed: set[int] = set()
         self._hooked: dict[int, tuple[int, object]] = {}  # param index -> (id, hook handle)
+        self.accumulator: torch.Tensor | None = None  # set at attach (a view of the region)
+        # Per parameter, what its sharded .grad was when this rank entered the minibatch (see
+        # Handle._enter_minibatch): None, _CARRY (a view of its accumulator span, kept there),
+        # _USER (another tensor, left in .grad) or a tensor (HSDP: a copy of the view).
+        self.prior: list = [None] * len(unit.params)
+        self._grad_hooks: list = []
 
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
@@ -119,6 +127,30 @@ class _Key:
         for _, handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+
+    def hook_sharded_grads(self) -> None:
+        """FSDP2's post-reduce sets each sharded .grad to a view of the reduce-scatter output
+        (zeros under ODC: the gradient arrives at the barrier), a shard-sized buffer per module
+        kept until the barrier. A hook FSDP2 calls right after drops it again, so during the
+        microbatches .grad holds nothing (a .grad of the user's own is left alone)."""
+        for index, fp in enumerate(self.unit.params):
+            if self.grad_numels[index] == 0:
+                continue
+            param = _fsdp2.sharded_param(fp)
+            self._grad_hooks.append(param.register_post_accumulate_grad_hook(
+                lambda p, i=index: self._drop_fsdp_grad(i, p)))
+
+    def _drop_fsdp_grad(self, index: int, param) -> None:
+        if self.prior[index] is not _USER:
+            param.grad = None
+
+    def span(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s sharded gradient as a view of its accumulator span."""
+        return _fsdp2.shard_view(self.unit.params[index], self.accumulator,
+                                 self.accum_offsets[index])
 
     def take_pushed_params(self, chunk_numel: int) -> list[int]:
         """The parameters one reduce-scatter input covers, in the input's order: those that got
@@ -169,6 +201,9 @@ class Handle:
         # Misuse detection: a barrier since attach, and the optimizers stepped since the last one.
         self._barrier_done = False
         self._stepped: set[int] = set()
+        # Whether this rank entered the minibatch in progress (released the last one's
+        # gradients): at its first forward or keyed call after a barrier, or at the next barrier.
+        self._entered = False
 
     @property
     def keys(self) -> list[str]:
@@ -176,30 +211,86 @@ class Handle:
 
     def _where(self) -> str:
         info = self._backend._stats()
-        return f"rank {info['rank']}, minibatch {info['minibatch']}"
+        # Between a barrier and this rank's next keyed call the engine is still in the finished
+        # minibatch; what the user runs then belongs to the next one.
+        minibatch = info["minibatch"] + (1 if self._backend._arrived else 0)
+        return f"rank {info['rank']}, minibatch {minibatch}"
 
     def barrier(self) -> None:
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
         self._check_barrier()
         b = self._backend
+        # (0) A rank that ran no microbatch enters the minibatch only now.
+        self._enter_minibatch()
         # (1) Publish what this rank has not published in this minibatch (a rank that ran no
         # microbatch, or attached with eager_publish=False).
         self._publish_unpublished()
         # (2) Wait until every rank has arrived: all pushes into our accumulators have landed.
         b._arrive()
-        # (3) Finalize gradients from the accumulators, (4) zero them and start the next epoch.
-        try:
-            got_grad = [b._grad_params(index) for index in range(len(self._keys))]
-            if self._replicate is not None:
-                got_grad = self._reduce_across_replicas(got_grad)
-            for index, key in enumerate(self._keys):
-                _finalize(key, got_grad[index], b._accumulator(index))
-                _fsdp2.drop_partial_reduce_output(key.unit)
-        finally:
-            b._release()
-            self._publish_pending = self._eager
+        # (3) Finalize: .grad from the accumulators. They are released (zeroed, and open to the
+        # next minibatch's pushes) when this rank enters the next minibatch, after its optimizer
+        # step: peers' pushes of that minibatch wait for it.
+        self._entered = False
+        self._publish_pending = self._eager
+        got_grad = [b._grad_params(index) for index in range(len(self._keys))]
+        if self._replicate is not None:
+            got_grad = self._reduce_across_replicas(got_grad)
+        for index, key in enumerate(self._keys):
+            _finalize(key, got_grad[index])
+            _fsdp2.drop_partial_reduce_output(key.unit)
         self._barrier_done, self._stepped = True, set()
+
+    def _enter_minibatch(self) -> None:
+        """Starts this rank's next minibatch, once, before its first keyed call (or in the
+        barrier, for a rank that runs no microbatch): after the optimizer step, gradient
+        clipping and zero_grad() of the last one. Records what each sharded .grad holds, so
+        that the barrier can add the next gradient to it as FSDP2 would, zeroes the accumulator
+        spans that do not carry it, and releases the accumulators to the peers' pushes."""
+        if self._entered or not self._attached:
+            return
+        self._entered = True
+        b = self._backend
+        releasing = b._arrived  # False only before the first minibatch after attach
+        carried = False
+        for key in self._keys:
+            for index, fp in enumerate(key.unit.params):
+                if key.grad_numels[index] == 0:
+                    continue
+                grad = _fsdp2.sharded_grad(fp)
+                if grad is None:
+                    key.prior[index] = None
+                elif releasing and _same_view(grad, key.span(index)):
+                    # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
+                    # Across HSDP replicas the accumulators are summed, so it is kept apart.
+                    key.prior[index] = (grad.clone() if self._replicate is not None else _CARRY)
+                    carried = carried or key.prior[index] is _CARRY
+                else:
+                    key.prior[index] = _USER
+                if key.prior[index] is not _USER:
+                    _fsdp2.set_grad(fp, None)  # FSDP2 must not add into the accumulator
+        if not releasing:
+            return  # fresh accumulators: zero since connect
+        with self._release_stream():
+            if carried:
+                for key in self._keys:
+                    for index in range(len(key.unit.params)):
+                        if key.grad_numels[index] and key.prior[index] is not _CARRY:
+                            key.span(index).zero_()
+            b._release(zero=not carried)
+
+    def _release_stream(self):
+        """On CUDA: the current stream, ordered after the default stream (where the optimizer
+        step ran), so that the zeroing and the release follow the step."""
+        if self.device.type != "cuda":
+            import contextlib
+
+            return contextlib.nullcontext()
+        current = torch.cuda.current_stream(self.device)
+        default = torch.cuda.default_stream(self.device)
+        if current != default:
+            current.wait_stream(default)
+        return torch.cuda.stream(current)
 
     def _reduce_across_replicas(self, got_grad: list[list[bool]]) -> list[list[bool]]:
         """HSDP: every replica's shard group has arrived, so its accumulators are final. Sums
@@ -259,6 +350,8 @@ class Handle:
         # module for the owner to reach it: the first microbatch of every rank would advance
         # in lockstep with the slowest one, as under collectives (measured on 4 H200: up to
         # 0.23 s per minibatch on long-context SFT, docs/benchmarks.md).
+        if self._attached:
+            self._enter_minibatch()
         if self._publish_pending and self._attached:
             self._publish_pending = False
             with torch.profiler.record_function("odc::publish_all"):
@@ -284,15 +377,13 @@ class Handle:
                 "barrier on every rank after the minibatch's last backward (also on a rank that "
                 "ran no microbatch), then step."
             )
-        b = self._backend
-        published = [k.name for i, k in enumerate(self._keys) if b._published(i)]
-        if published:
+        if self._entered:
             raise RuntimeError(
-                f"torch_odc: {self._where()}: optimizer.step() after this rank already published "
-                f"its shards of {', '.join(published[:3])}{', ...' if len(published) > 3 else ''}"
-                " for the minibatch in progress: call torch_odc.minibatch_barrier() after the "
-                "minibatch's last backward and before optimizer.step(), and run no forward in "
-                "between"
+                f"torch_odc: {self._where()}: optimizer.step() after this rank started the next "
+                "minibatch (a forward or an all-gather since the barrier): its shards are "
+                "published and its gradients released. Call torch_odc.minibatch_barrier() after "
+                "the minibatch's last backward and before optimizer.step(), and run no forward "
+                "in between"
             )
         self._stepped.add(id(optimizer))
 
@@ -316,6 +407,13 @@ class Handle:
         self._hooks, self._step_hook = [], None
         for key in self._keys:
             key.unwatch_grads()
+            # .grad views of the accumulators outlive the region as copies.
+            for index, fp in enumerate(key.unit.params):
+                grad = _fsdp2.sharded_grad(fp)
+                if key.grad_numels[index] and grad is not None and _same_view(
+                        grad, key.span(index)):
+                    _fsdp2.set_grad(fp, grad.clone())
+            key.accumulator = None
             if self._replicate is not None:
                 key.unit.module.set_requires_all_reduce(True, recurse=False)
             key.unit.module.set_custom_all_gather(key.prev_all_gather)
@@ -326,14 +424,37 @@ class Handle:
             _handles.remove(self)
 
 
-def _finalize(key: _Key, got_grad: list[bool], accumulator: torch.Tensor) -> None:
-    """Sets or adds the minibatch's reduced gradient of every parameter of `key` that got one on
-    some rank, as FSDP2's post-backward would; the others keep their ``.grad``."""
-    for fp, offset, has_grad in zip(key.unit.params, key.accum_offsets, got_grad):
-        if has_grad:
-            grad = _fsdp2.shard_view(fp, accumulator, offset)
-            # A copy in the gradient's dtype: the accumulator is zeroed for the next minibatch.
-            _fsdp2.add_grad(fp, grad.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
+_CARRY, _USER = "carry", "user"
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+
+
+def _finalize(key: _Key, got_grad: list[bool]) -> None:
+    """Gives every trainable parameter of `key` its ``.grad`` as FSDP2's post-backward would
+    leave it after the minibatch: the reduced gradient, added to what ``.grad`` held before.
+    Where the gradient dtype is the accumulator's (fp32 / fp64 models), ``.grad`` is a view of
+    the accumulator span (no copy; released when this rank enters the next minibatch)."""
+    for index, fp in enumerate(key.unit.params):
+        if key.grad_numels[index] == 0:
+            continue
+        prior, got = key.prior[index], got_grad[index]
+        key.prior[index] = None
+        span = key.span(index)
+        if prior is _USER:  # the user's own tensor: FSDP2 adds into it
+            if got:
+                _fsdp2.add_grad(fp, span.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
+            continue
+        if isinstance(prior, torch.Tensor):  # HSDP: what .grad held, kept apart from the sum
+            span += prior
+        if not got and prior is None:
+            _fsdp2.set_grad(fp, None)
+        elif span.dtype == _fsdp2.grad_dtype(fp):
+            _fsdp2.set_grad(fp, span)
+        else:  # e.g. bf16 parameters without mixed precision: a copy, rounded once
+            _fsdp2.set_grad(fp, span.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
 
 
 def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
@@ -388,6 +509,8 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     backend._connect_engine([k.spec() for k in entries],
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
+        key.accumulator = backend._accumulator(index)
+        key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
             key.unit.module.set_requires_all_reduce(False, recurse=False)
         key.unit.module.set_custom_all_gather(_KeyedAllGather(handle, index))

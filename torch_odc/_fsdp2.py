@@ -40,7 +40,11 @@ What is read, and how it differs between 2.11 and 2.15:
   the barrier;
 * the comm objects in place before attach: ``_all_gather_comm`` / ``_reduce_scatter_comm``, and
   the comm base classes ``_fsdp_api.AllGather`` / ``ReduceScatter``;
-* a parameter's name in its module: ``FSDPParam._module_info.param_name`` (for messages only).
+* a parameter's name in its module: ``FSDPParam._module_info.param_name`` (for messages only);
+* the sharded gradient: FSDP2's post-reduce (both versions) sets ``sharded_param.grad`` to a
+  view of the reduce-scatter output when it is None, adds into it otherwise, then calls the
+  sharded parameter's post-accumulate-grad hooks (public ``register_post_accumulate_grad_hook``;
+  skipped under compiled autograd in 2.11).
 """
 
 from __future__ import annotations
@@ -160,8 +164,9 @@ def gather_dtype(unit: Unit, fp) -> torch.dtype:
 
 
 def grad_dtype(fp) -> torch.dtype:
-    """The dtype of the sharded gradient FSDP2 leaves in ``.grad``."""
-    return getattr(fp, "sharded_grad_dtype", None) or fp.orig_dtype
+    """The dtype of the sharded gradient FSDP2 leaves in ``.grad`` (also before lazy init)."""
+    return (getattr(fp, "sharded_grad_dtype", None) or getattr(fp, "orig_dtype", None)
+            or fp.sharded_param.dtype)
 
 
 def trainable(fp) -> bool:
@@ -178,6 +183,23 @@ def shard_view(fp, flat: torch.Tensor, offset: int) -> torch.Tensor:
     """This parameter's sharded gradient, a view of `flat` starting at element `offset`."""
     return torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
                             storage_offset=flat.storage_offset() + offset)
+
+
+def sharded_grad(fp) -> torch.Tensor | None:
+    """The local tensor of the parameter's sharded ``.grad``, or None."""
+    grad = fp.sharded_param.grad
+    return None if grad is None else grad.to_local()
+
+
+def set_grad(fp, grad: torch.Tensor | None) -> None:
+    """Sets the sharded ``.grad`` to `grad` (this rank's shard, in the gradient dtype), or None."""
+    fp.sharded_param.grad = None if grad is None else fp.to_sharded_dtensor(grad)
+
+
+def sharded_param(fp) -> torch.nn.Parameter:
+    """The parameter the optimizer sees (a DTensor); FSDP2 calls its post-accumulate-grad hooks
+    after it sets or accumulates its ``.grad`` in each reduce-scatter's post-reduce."""
+    return fp.sharded_param
 
 
 def add_grad(fp, grad: torch.Tensor) -> None:

@@ -575,11 +575,11 @@ void OdcBackend::barrierArrive() {
   engineCall([&] { eng.arrive(barrierStream(eng)); });
 }
 
-void OdcBackend::barrierRelease() {
+void OdcBackend::barrierRelease(bool zero) {
   OpRange range("odc::barrier_release");
   const auto held = engine("minibatch barrier");
   auto& eng = *held;
-  engineCall([&] { eng.release(barrierStream(eng)); });
+  engineCall([&] { eng.release(barrierStream(eng), zero); });
 }
 
 std::string OdcBackend::cudaTransportProblem(int device_index) {

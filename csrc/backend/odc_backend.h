@@ -113,7 +113,7 @@ class OdcBackend : public c10d::Backend {
   std::shared_ptr<Engine> engine(const char* op);
   // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
   void barrierArrive();
-  void barrierRelease();
+  void barrierRelease(bool zero);
   // Raises a device-side wait timeout of the engine connected as `generation`, if it is still
   // the connected one (a keyed CUDA Work checks at wait()).
   void checkDeviceErrors(int generation);

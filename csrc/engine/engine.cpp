@@ -110,7 +110,8 @@ void Engine::checkKey(size_t key, const char* op) const {
   }
   if (arrived_) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": " + op + " on " + where(key) +
-                   " inside the minibatch barrier");
+                   " after the minibatch barrier, before this rank released the minibatch's "
+                   "gradients (torch_odc does at the next forward or keyed call)");
   }
 }
 
@@ -231,6 +232,7 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
          " parameters need world size " + std::to_string(world_) + " x " + std::to_string(chunk));
   }
   ++current_.keyed_reduce_scatters;
+  waitOwnersReady(key, stream);
   const size_t esize = elementSize(dtype);
   std::vector<Transport::PeerPush> pushes(static_cast<size_t>(world_));
   for (const Run& run : runs) {
@@ -249,6 +251,28 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
     pushed_bits_[bit / 64] |= uint64_t{1} << (bit % 64);
   }
   transport_->endOp(stream);
+}
+
+void Engine::waitOwnersReady(size_t key, Stream stream) {
+  if (epoch_ == 1 || (ready_waited_ == epoch_ && ready_stream_ == stream)) return;
+  // The own accumulators were zeroed on the stream the release ran on, which FSDP2's
+  // reduce-scatter stream waits for before any reduce-scatter: only peers are waited for.
+  std::vector<Transport::PeerRead> waits;
+  for (int i = 1; i < world_; ++i) {
+    const int peer = (rank_ + i) % world_;
+    waits.push_back({peer, nullptr, context([this, peer, key] {
+                       return "peer rank " + std::to_string(peer) + " to release its gradients "
+                              "of minibatch " + std::to_string(epoch_ - 1) + " before the "
+                              "first push of " + where(key) + ". The peer releases them when "
+                              "it enters the next minibatch (its first forward, or "
+                              "torch_odc.minibatch_barrier()), after its optimizer step: is "
+                              "it stuck, or did it stop training?";
+                     })});
+  }
+  transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, waits, stream);
+  transport_->endOp(stream);
+  ready_waited_ = epoch_;
+  ready_stream_ = stream;
 }
 
 void Engine::noteCollective(const std::string& op) {
@@ -326,27 +350,37 @@ void Engine::arrive(Stream stream) {
     }
   }
   transport_->quiesce(stream);  // every push of this rank has landed
+  const uint64_t arrived_with = collectives_.load();
+  transport_->storeControl(layout_.controlArrivalCollectives(epoch_), arrived_with);
   for (size_t w = 0; w < pushed_bits_.size(); ++w) {
-    transport_->storeControl(layout_.controlPushedBits() + w * sizeof(uint64_t), pushed_bits_[w]);
+    transport_->storeControl(layout_.controlPushedBits(epoch_) + w * sizeof(uint64_t),
+                             pushed_bits_[w]);
   }
   transport_->storeControl(layout_.controlArrived(), epoch_);
   arrived_ = true;
   waitAll(layout_.controlArrived(), "arrive at", /*check_collectives=*/true);
-  // Every rank has arrived, so no count changes any more: all ranks see the same values.
-  const uint64_t mine = collectives_.load();
+  // Every rank has arrived: the counts they arrived with are what they ran in this minibatch
+  // (a peer may already run collectives of the next one: its live count is not compared).
   for (int peer = 0; peer < world_; ++peer) {
-    const uint64_t theirs = transport_->loadControl(peer, layout_.controlCollectives());
-    if (theirs != mine) throw OdcError(collectivesMismatch(peer, mine, theirs));
+    if (peer == rank_) continue;
+    const uint64_t theirs =
+        transport_->loadControl(peer, layout_.controlArrivalCollectives(epoch_));
+    if (theirs != arrived_with) throw OdcError(collectivesMismatch(peer, arrived_with, theirs));
   }
   peer_bits_ = pushed_bits_;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     for (size_t w = 0; w < peer_bits_.size(); ++w) {
       peer_bits_[w] |=
-          transport_->loadControl(peer, layout_.controlPushedBits() + w * sizeof(uint64_t));
+          transport_->loadControl(peer, layout_.controlPushedBits(epoch_) + w * sizeof(uint64_t));
     }
   }
+  // The minibatch's work is over: its counters become "last".
   current_.barrier_s += secondsSince(t0);
+  current_.minibatches = 1;
+  last_ = current_;
+  total_.add(current_);
+  current_ = EngineStats{};
 }
 
 std::vector<bool> Engine::gradParams(size_t key) {
@@ -369,30 +403,30 @@ void* Engine::accumulator(size_t key) {
   return transport_->localPointer(layout_.offsets(key).accum);
 }
 
-void Engine::release(Stream stream) {
+void Engine::release(Stream stream, bool zero) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!arrived_) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": barrier release of minibatch " +
                    std::to_string(epoch_) + " without arrive");
   }
-  const auto t0 = Clock::now();
-  for (size_t k = 0; k < layout_.numKeys(); ++k) {
-    const auto& off = layout_.offsets(k);
-    transport_->zeroLocal(off.accum, layout_.key(k).accumBytes(), stream);
+  if (zero && layout_.numKeys() > 0) {  // the accumulators lie back to back: one zeroing
+    const size_t first = layout_.offsets(0).accum;
+    const size_t last = layout_.numKeys() - 1;
+    transport_->zeroLocal(first, layout_.offsets(last).accum + layout_.key(last).accumBytes() - first,
+                          stream);
   }
-  transport_->quiesce(stream);
-  transport_->storeControl(layout_.controlReleased(), epoch_);
-  waitAll(layout_.controlReleased(), "leave", /*check_collectives=*/false);
-  // Every peer has read this rank's bitmap (finalize precedes release); the next arrive rewrites
-  // it whole.
+  // Ordered after the zeroing (and whatever the caller ran on `stream` before: the optimizer
+  // step); peers' first pushes of the next minibatch wait for it.
+  transport_->publish(layout_.readyFlag(), epoch_, stream);
+  // The next arrive writes its bitmap into the other parity's copy; peers read this one's.
   std::fill(pushed_bits_.begin(), pushed_bits_.end(), 0);
-  current_.barrier_s += secondsSince(t0);
-  current_.minibatches = 1;
-  last_ = current_;
-  total_.add(current_);
-  current_ = EngineStats{};
   arrived_ = false;
   ++epoch_;
+}
+
+bool Engine::arrived() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return arrived_;
 }
 
 EngineStats Engine::lastStats() const {

@@ -8,21 +8,27 @@
 //    span at its own place (a push may cover any subset of K's trainable parameters), and marks
 //    those parameters as pushed by this rank.
 // Barrier of epoch e:
-//  - arrive(): this rank's pushes are complete (quiesce); it stores the bitmap of parameters it
-//    pushed, then arrived := e; wait until every rank has arrived. After this no rank pushes into
-//    epoch e any more, so the accumulators are final and may be read (finalize), and the union of
-//    the bitmaps says which parameters got a gradient on some rank. Ranks must also have run the
-//    same number of unkeyed collectives (checked here: a collective in the microbatch loop hangs
-//    once ranks run different numbers of microbatches).
-//  - release(): zero the accumulators, released := e, wait until every rank has released,
-//    epoch := e + 1. The second phase keeps a fast rank's epoch e+1 pushes out of a slow rank's
-//    accumulator until that rank has finalized and zeroed it, and keeps shard caches from being
-//    republished while a peer could still read epoch e.
+//  - arrive(): this rank's pushes are complete (quiesce); it reports its collectives count and
+//    the bitmap of parameters it pushed (in the copy for e's parity), then arrived := e; wait
+//    until every rank has arrived. After this no rank pushes into epoch e any more, so the
+//    accumulators are final and may be read (finalize: FSDP2's sharded .grad becomes a view of
+//    them), and the union of the bitmaps says which parameters got a gradient on some rank.
+//    Ranks must also have run the same number of unkeyed collectives (checked here: a
+//    collective in the microbatch loop hangs once ranks run different numbers of microbatches).
+//  - release(): called when this rank enters minibatch e+1 (its first forward or keyed call, or
+//    its next barrier), i.e. after its optimizer step and gradient clipping have read the
+//    gradients: zero the accumulators (or the caller did, keeping what it must), then ready := e
+//    (ordered on the stream after the zeroing), epoch := e + 1. Nobody waits here. A push in
+//    epoch e+1 waits (on the device, for CUDA) until its owner's ready flag reached e: a fast
+//    rank's next-minibatch pushes never land in an accumulator that its owner's optimizer step
+//    still reads. Shard caches need no such wait: every read of epoch e was complete before
+//    its reader arrived, hence before anyone passed arrive(e) and could republish.
 // Why no wait deadlocks: a gather in epoch e waits only for a peer's publish in epoch e, which
 // the peer makes at its first gather of the key or, at the latest, before it arrives at the
-// barrier (the caller publishes every unpublished key first, in key order); barrier waits need
-// every rank to call the barrier. A rank that never does makes its peers time out with an error
-// naming it.
+// barrier (the caller publishes every unpublished key first, in key order); a push waits only
+// for its owner's release, which the owner makes before its next gather, push or arrival, and
+// after nothing but local work; barrier waits need every rank to call the barrier. A rank that
+// never does makes its peers time out with an error naming it.
 #pragma once
 
 #include <atomic>
@@ -87,8 +93,11 @@ class Engine {
   // Per parameter of `key`: whether some rank pushed a gradient for it in this minibatch.
   std::vector<bool> gradParams(size_t key);
   void* accumulator(size_t key);
-  // Barrier phase 2: zero accumulators, wait for every rank, advance the epoch.
-  void release(Stream stream);
+  // Barrier phase 2 (see above): zero every accumulator if `zero` (else the caller zeroed what
+  // it must on `stream`), publish ready := epoch on `stream`, advance the epoch. Waits for nobody.
+  void release(Stream stream, bool zero = true);
+  // Whether arrive() ran and release() has not yet (the gradients of this epoch are final).
+  bool arrived() const;
 
   EngineStats lastStats() const;
   EngineStats totalStats() const;
@@ -100,6 +109,7 @@ class Engine {
   void publishLocked(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
   void waitAll(size_t control_offset, const char* phase, bool check_collectives);
   std::string collectivesMismatch(int peer, uint64_t mine, uint64_t theirs) const;
+  void waitOwnersReady(size_t key, Stream stream);
   WaitContext context(std::function<std::string()> describe) const;
 
   const int rank_;
@@ -112,6 +122,8 @@ class Engine {
   uint64_t epoch_ = 1;
   std::vector<uint64_t> published_;    // epoch in which this rank last published each key
   std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
+  uint64_t ready_waited_ = 0;          // the epoch whose pushes waited for the owners' release
+  Stream ready_stream_ = nullptr;      // ... on this stream
   std::vector<uint64_t> peer_bits_;    // union over all ranks, valid between arrive and release
   std::atomic<uint64_t> collectives_{0};
   mutable std::mutex op_mu_;

@@ -20,8 +20,10 @@ RegionLayout::RegionLayout(std::vector<KeySpec> keys) : keys_(std::move(keys)) {
     o.accum_numel = at;
   }
   // Control words, each on its own cache line pair, then the pushed-parameters bitmap.
-  control_bytes_ = alignUp(controlPushedBits() + pushedBitWords() * sizeof(uint64_t), kAlign);
+  control_bytes_ = controlArrivalCollectives(0) + 2 * arrivalReportBytes();
   size_t off = control_bytes_;
+  ready_flag_ = off;
+  off += kAlign;
   for (auto& o : offsets_) {
     o.published_flag = off;
     off += kAlign;
@@ -35,10 +37,12 @@ RegionLayout::RegionLayout(std::vector<KeySpec> keys) : keys_(std::move(keys)) {
   for (size_t k = 0; k < keys_.size(); ++k) {
     offsets_[k].cache = off;
     off = alignUp(off + keys_[k].shardBytes(), kAlign);
+    cache_bytes_ += keys_[k].shardBytes();
   }
   for (size_t k = 0; k < keys_.size(); ++k) {
     offsets_[k].accum = off;
     off = alignUp(off + keys_[k].accumBytes(), kAlign);
+    accum_bytes_ += keys_[k].accumBytes();
   }
   bytes_ = off;
 }

@@ -1,11 +1,12 @@
 // The layout of one rank's ODC region. Every rank of a group has a region with this same layout,
 // so an offset computed here addresses the same thing in any peer's region.
 //
-//   control   : per-rank barrier words (arrived epoch, released epoch), the owner's pid (for
-//               messages), its life lock (a robust process-shared mutex, see shm_transport.h),
-//               its count of unkeyed collectives, and the bitmap of parameters it pushed in the
-//               minibatch; host memory
-//   flags     : per key: published epoch of the shard cache
+//   control   : per-rank barrier words (arrived epoch), the owner's pid (for messages), its life
+//               lock (a robust process-shared mutex, see shm_transport.h), its live count of
+//               unkeyed collectives, and per minibatch parity what it reported at arrival (that
+//               count and the bitmap of parameters it pushed); host memory
+//   flags     : per key: published epoch of the shard cache; one ready flag: the minibatches
+//               whose gradients this rank released (its accumulators take pushes of the next)
 //   locks     : per key and accumulator block: a spinlock word (CPU accumulation only)
 //   caches    : per key: this rank's shard (the all-gather input), written only by the owner
 //   accums    : per key: this rank's gradient accumulator (fp32; fp64 for fp64 models), one
@@ -62,17 +63,36 @@ class RegionLayout {
 
   size_t bytes() const { return bytes_; }
   size_t controlArrived() const { return 0; }
-  size_t controlReleased() const { return kAlign; }
   size_t controlPid() const { return 2 * kAlign; }
   // A robust process-shared mutex that the owner holds for as long as its transport is
   // connected (peers' liveness check; host transports only). One cache-line pair.
   size_t controlLife() const { return 3 * kAlign; }
   // Cumulative count of this rank's collectives outside keyed calls since connect.
   size_t controlCollectives() const { return 4 * kAlign; }
-  // Bit p: parameter p (over all keys, in key order) got a gradient from this rank's pushes in
-  // the minibatch; written before `arrived`, read by peers after it.
-  size_t controlPushedBits() const { return 5 * kAlign; }
+  // What this rank reported when it arrived at the barrier of a minibatch of this parity (epoch %
+  // 2): its collectives count, then the bitmap (bit p: parameter p over all keys, in key order,
+  // got a gradient from its pushes). Written before `arrived`, read by peers after it. Two
+  // copies: a rank may arrive at minibatch e+1 while a slow peer still reads its report of e
+  // (no rank waits for the others between arrive and its next minibatch any more), but not at
+  // e+2 before every peer arrived at e+1, which each does only after reading e.
+  size_t controlArrivalCollectives(uint64_t epoch) const {
+    return 5 * kAlign + (epoch % 2) * arrivalReportBytes();
+  }
+  size_t controlPushedBits(uint64_t epoch) const {
+    return controlArrivalCollectives(epoch) + sizeof(uint64_t);
+  }
   size_t pushedBitWords() const { return (num_params_ + 63) / 64; }
+  size_t arrivalReportBytes() const {
+    return (sizeof(uint64_t) * (1 + pushedBitWords()) + kAlign - 1) / kAlign * kAlign;
+  }
+  // The ready flag (device-visible, like the published flags): the number of minibatches whose
+  // gradients this rank has released. A push into this rank's accumulators in minibatch e waits
+  // for it to reach e - 1.
+  size_t readyFlag() const { return ready_flag_; }
+  // Bytes by use (what torch_odc.stats() reports): shard caches, accumulators, and the rest
+  // (control words, flags, lock words, alignment).
+  size_t cacheBytes() const { return cache_bytes_; }
+  size_t accumBytes() const { return accum_bytes_; }
   // Bytes of the control words: a transport that keeps them apart (CUDA IPC) sizes them so.
   size_t controlBytes() const { return control_bytes_; }
   size_t numParams() const { return num_params_; }
@@ -90,6 +110,9 @@ class RegionLayout {
   std::vector<KeyOffsets> offsets_;
   size_t bytes_ = 0;
   size_t control_bytes_ = 0;
+  size_t ready_flag_ = 0;
+  size_t cache_bytes_ = 0;
+  size_t accum_bytes_ = 0;
   size_t num_params_ = 0;
 };
 

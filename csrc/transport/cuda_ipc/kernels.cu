@@ -151,8 +151,16 @@ __device__ __forceinline__ void red8(float* dst, uint4 raw, float scale) {
 }
 
 // The fp32 accumulator dst[y][i] += scale * src[y][i], src in T (fp32, bf16 or fp16).
+// Skipped once a wait of this rank failed or the host aborted: the push may be behind a failed
+// wait for its owner's release (the owner's optimizer step may still read the accumulator, or
+// the owner is gone).
 template <typename T>
-__global__ void __launch_bounds__(512) odcPushKernel(PushArgs a, size_t numel, float scale) {
+__global__ void __launch_bounds__(512)
+    odcPushKernel(PushArgs a, size_t numel, float scale, const DeviceError* error) {
+  __shared__ bool skip;
+  if (threadIdx.x == 0) skip = stopped(error);
+  __syncthreads();
+  if (skip) return;
   const int y = blockIdx.y;
   float* dst = static_cast<float*>(a.dst[y]);
   const T* src = static_cast<const T*>(a.src[y]);
@@ -245,12 +253,12 @@ void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* err
 }
 
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
-                cudaStream_t stream) {
+                const DeviceError* error, cudaStream_t stream) {
   PushArgs args;
   args.dst[0] = dst;
   args.src[0] = src;
   args.count = 1;
-  launchPushAll(args, numel, dtype, scale, 2 * sm_count, stream);
+  launchPushAll(args, numel, dtype, scale, 2 * sm_count, error, stream);
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
@@ -260,25 +268,26 @@ void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t
   const dim3 grid(blocksPerEntry(ctas, args.count, bytes / 16, kThreads), args.count);
   odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error);
   check(cudaGetLastError(), "wait kernel launch");
+  if (bytes == 0) return;  // a wait only (the owners' release before a minibatch's first push)
   odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes, error);
   check(cudaGetLastError(), "gather kernel launch");
 }
 
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
-                   cudaStream_t stream) {
+                   const DeviceError* error, cudaStream_t stream) {
   if (args.count == 0) return;
   constexpr int kThreads = 512;
   const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
   const dim3 grid(blocksPerEntry(ctas, args.count, numel * elem / 16, kThreads), args.count);
   switch (dtype) {
     case DType::kFloat32:
-      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale);
+      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
       break;
     case DType::kBFloat16:
-      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale);
+      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
       break;
     case DType::kFloat16:
-      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale);
+      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
       break;
     default:
       throw OdcError(std::string("odc: CUDA pushes of ") + dtypeName(dtype) +

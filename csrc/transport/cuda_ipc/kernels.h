@@ -38,9 +38,9 @@ void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t deadline_ns,
 void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* error, int ctas,
                 cudaStream_t stream);
 // The fp32 accumulator dst[i] += scale * src[i] for i < numel (src fp32, bf16 or fp16, widened
-// in registers), with remote reductions.
+// in registers), with remote reductions; nothing once a wait failed or abort is set.
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
-                cudaStream_t stream);
+                const DeviceError* error, cudaStream_t stream);
 
 // One keyed operation over several peers in one launch (blockIdx.y = entry). Up to kMaxPeers
 // entries (GPUs of one host).
@@ -58,13 +58,14 @@ struct PushArgs {
   int count = 0;
 };
 // A one-block kernel acquire-spins on every flag[y] >= value (until deadline_ns; on expiry
-// records slot[y] in `error`), then one kernel copies every entry's `bytes` with 16-byte loads
+// records slot[y] in `error`), then (bytes > 0) one kernel copies every entry's `bytes` with 16-byte loads
 // from the peers (8 in flight per thread), or nothing once a wait failed or abort is set.
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, int ctas, cudaStream_t stream);
 // dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
-// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).
+// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes),
+// or nothing once a wait failed or abort is set (the push may be behind a failed wait).
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
-                   cudaStream_t stream);
+                   const DeviceError* error, cudaStream_t stream);
 
 }  // namespace torch_odc::cuda_ipc

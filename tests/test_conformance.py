@@ -116,8 +116,18 @@ def reference(cfg, plan, world) -> dict:
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
-        opt.zero_grad()
+        zero_grad(opt, cfg)
     return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+def zero_grad(opt, cfg) -> None:
+    """As the case's training loop does: set_to_none (the default), in place, or not at all
+    (gradients then add up across optimizer steps, in FSDP2 as in one process)."""
+    how = cfg.get("zero_grad", "none")
+    if how == "none":
+        opt.zero_grad()
+    elif how == "inplace":
+        opt.zero_grad(set_to_none=False)
 
 
 def sharded(cfg, world):
@@ -179,7 +189,7 @@ def train(rank, world, cfg, plan):
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
-        opt.zero_grad()
+        zero_grad(opt, cfg)
         if cfg.get("dcp") and mb == 0:  # checkpoint, start over from it, re-attach
             path = os.path.join(cfg["dcp"], "ckpt")
             dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=path)
@@ -219,6 +229,11 @@ CASES = {
     "clip": ({"clip": 0.05}, 2, 2e-5),
     "tied-weights": ({"tied": True}, 2, 2e-5),
     "no-reshard": ({"reshard_after_forward": False, "branch": True}, 2, 2e-5),
+    # .grad is a view of the accumulator after the barrier: zeroed in place, or kept (then the
+    # next minibatch's gradient adds to it, parameters without one keep it).
+    "zero-grad-in-place": ({"zero_grad": "inplace", "branch": True}, 2, 2e-5),
+    "grads-kept-across-steps": ({"zero_grad": "keep", "branch": True}, 2, 2e-5),
+    "grads-kept-across-steps-clip-w4": ({"zero_grad": "keep", "clip": 0.05}, 4, 2e-5),
 }
 
 
@@ -243,7 +258,8 @@ def test_odc_equals_reference(name):
 
 
 GPU_CASES = ["fp32-w2", "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
-             "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights"]
+             "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
+             "grads-kept-across-steps"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

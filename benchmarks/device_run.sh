@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2, 4 and 8 GPUs (those present). Logs and results go to $OUT (default: benchmarks/results).
-#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench sanitize e2e diag; all = tests,bench
+#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench memory sanitize e2e diag;
+#   all = tests,bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -26,6 +27,13 @@ if has bench; then
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
   done
+fi
+if has memory; then
+  # Issue 17: allocator peak + ODC region vs FSDP2 on the e2e model (2 ranks; on one GPU they
+  # share it and FSDP2's figure is accounted, see benchmarks/bench_memory.py).
+  n=$(( gpus >= 2 ? gpus : 2 ))
+  timeout 200 torchrun --nproc-per-node="$n" benchmarks/bench_memory.py --out "$OUT" \
+    2>&1 | grep -v -i warn | tee "$OUT/bench_memory.log" | tail -8 || rc=1
 fi
 if has e2e; then
   # Issue 6: one process per (workload, config) -- a process that already ran the same sequence

@@ -68,6 +68,10 @@ def run(args, device, group, odc: bool) -> dict:
         for _ in range(args.microbatches):
             tokens = torch.randint(0, vocab, (args.seq_len + 1,), generator=gen).to(device)
             (model([tokens]) / args.seq_len).backward()
+        # What .grad holds in the allocator at the end of the minibatch's backward: FSDP2's
+        # sharded gradients; under ODC nothing (the gradients are in the accumulators).
+        grad_bytes = sum(p.grad.to_local().numel() * p.grad.to_local().element_size()
+                         for p in model.parameters() if p.grad is not None)
         if handle is not None:
             torch_odc.minibatch_barrier()
         opt.step()
@@ -77,6 +81,7 @@ def run(args, device, group, odc: bool) -> dict:
         "allocator_peak_bytes": torch.cuda.max_memory_allocated(device),
         "sharded_param_numel": shard_numel,
         "sharded_grad_bytes": 4 * shard_numel,  # fp32 master weights: fp32 sharded .grad
+        "grad_bytes_held_before_barrier": grad_bytes,
     }
     if handle is not None:
         stats = handle.stats()
@@ -115,6 +120,8 @@ def plot(result, path):
                    label=label if i == 0 or label != "allocator peak" else None)
             bottom += value / GiB
         ax.text(i, bottom, f"{bottom:.2f} GiB", ha="center", va="bottom")
+    top = max(sum(v for _, v in parts) for _, parts in bars) / GiB
+    ax.set_ylim(0, top * 1.15)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars])
     ax.set_ylabel("GiB per rank")
     ax.set_title(f"{result['model']} model, {result['world']} ranks, {result['device']}\n"
@@ -133,7 +140,12 @@ def main():
     p.add_argument("--minibatches", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
+    p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
     args = p.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+        return
 
     dist.init_process_group(backend="odc", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()

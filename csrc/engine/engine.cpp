@@ -261,9 +261,14 @@ void Engine::waitOwnersReady(size_t key, Stream stream) {
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     waits.push_back({peer, nullptr, context([this, peer, key] {
-                       return "peer rank " + std::to_string(peer) + " to release its gradients "
-                              "of minibatch " + std::to_string(epoch_ - 1) + " before the "
-                              "first push of " + where(key) + ". The peer releases them when "
+                       return "peer rank " + std::to_string(peer) +
+                              " to release its gradients "
+                              "of minibatch " +
+                              std::to_string(epoch_ - 1) +
+                              " before the "
+                              "first push of " +
+                              where(key) +
+                              ". The peer releases them when "
                               "it enters the next minibatch (its first forward, or "
                               "torch_odc.minibatch_barrier()), after its optimizer step: is "
                               "it stuck, or did it stop training?";
@@ -412,8 +417,8 @@ void Engine::release(Stream stream, bool zero) {
   if (zero && layout_.numKeys() > 0) {  // the accumulators lie back to back: one zeroing
     const size_t first = layout_.offsets(0).accum;
     const size_t last = layout_.numKeys() - 1;
-    transport_->zeroLocal(first, layout_.offsets(last).accum + layout_.key(last).accumBytes() - first,
-                          stream);
+    transport_->zeroLocal(
+        first, layout_.offsets(last).accum + layout_.key(last).accumBytes() - first, stream);
   }
   // Ordered after the zeroing (and whatever the caller ran on `stream` before: the optimizer
   // step); peers' first pushes of the next minibatch wait for it.

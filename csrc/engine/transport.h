@@ -55,9 +55,9 @@ class Transport {
                           uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
                           Stream stream) = 0;
   // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
-  // is >= value, then read `bytes` (0: only wait) from the peer's region at `offset` into `dst`. Returns the
-  // host seconds spent waiting (0 where the waits run on a device). The default runs the
-  // entries one after the other through waitFlag + read; a transport may run them as one
+  // is >= value, then read `bytes` (0: only wait) from the peer's region at `offset` into `dst`.
+  // Returns the host seconds spent waiting (0 where the waits run on a device). The default runs
+  // the entries one after the other through waitFlag + read; a transport may run them as one
   // operation (the CUDA transport: one kernel over every peer).
   struct PeerRead {
     int peer;

@@ -58,8 +58,9 @@ struct PushArgs {
   int count = 0;
 };
 // A one-block kernel acquire-spins on every flag[y] >= value (until deadline_ns; on expiry
-// records slot[y] in `error`), then (bytes > 0) one kernel copies every entry's `bytes` with 16-byte loads
-// from the peers (8 in flight per thread), or nothing once a wait failed or abort is set.
+// records slot[y] in `error`), then (bytes > 0) one kernel copies every entry's `bytes` with
+// 16-byte loads from the peers (8 in flight per thread), or nothing once a wait failed or abort is
+// set.
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, int ctas, cudaStream_t stream);
 // dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions

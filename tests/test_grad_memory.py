@@ -70,6 +70,12 @@ def _no_wait(rank, world):
 
 
 def test_a_slow_ranks_step_never_sees_a_fast_ranks_next_minibatch_pushes():
+    """End to end under FSDP2. Two mechanisms order the fast rank's pushes after the slow rank's
+    release here: the engine's wait for the owners' ready flags, and FSDP2 itself (a module's
+    backward follows its forward's all-gather, which waits for every owner's publish of the new
+    minibatch, made after its release). Removing the first alone does not fail this test; the
+    C++ test Engine.APushWaitsUntilItsOwnerReleasedTheLastMinibatch pushes without a gather and
+    does (checked)."""
     fast, slow = run_ranks(2, _slow_step)
     assert slow["unchanged"], "rank 1's gradients changed while its optimizer step could read them"
     # Rank 0's first push of minibatch 2 into rank 1 waited until rank 1 entered minibatch 2.

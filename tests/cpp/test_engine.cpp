@@ -130,6 +130,41 @@ TEST(Engine, ConcurrentPushesAccumulateExactlyWithUnevenMicrobatchCounts) {
   }));
 }
 
+TEST(Engine, APushWaitsUntilItsOwnerReleasedTheLastMinibatch) {
+  // After the barrier the accumulators are the owner's gradients until it releases them (when it
+  // enters the next minibatch, after its optimizer step). Rank 1 holds them for a while; rank 0
+  // releases at once and pushes its next minibatch, with no gather before (nothing else orders
+  // the push after rank 1's release): the push must wait, and rank 1 must see no change.
+  using std::chrono::milliseconds;
+  expectAllOk(runRanks(2, [](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, 2, rdv, twoKeys());
+    std::vector<float> a(1000), b(37), in(2000, 1.0f);
+    const auto minibatch_end = [&] {
+      e->publish(0, a.data(), a.size() * 4, DType::kFloat32, nullptr);
+      e->publish(1, b.data(), b.size() * 4, DType::kFloat32, nullptr);
+      e->arrive(nullptr);
+    };
+    e->push(0, in.data(), in.size(), DType::kFloat32, 1.0, {}, nullptr);
+    minibatch_end();
+    const auto* acc = static_cast<const float*>(e->accumulator(0));
+    for (size_t i = 0; i < 1000; ++i) REQUIRE(acc[i] == 2.0f);
+    if (rank == 1) {
+      std::this_thread::sleep_for(milliseconds(600));  // a slow optimizer step reads acc
+      for (size_t i = 0; i < 1000; ++i) REQUIRE(acc[i] == 2.0f);
+      e->release(nullptr);
+    } else {
+      e->release(nullptr);
+      const auto t0 = Clock::now();
+      e->push(0, in.data(), in.size(), DType::kFloat32, 1.0, {}, nullptr);
+      REQUIRE(Clock::now() - t0 >= milliseconds(300));
+    }
+    if (rank == 1) e->push(0, in.data(), in.size(), DType::kFloat32, 1.0, {}, nullptr);
+    minibatch_end();
+    for (size_t i = 0; i < 1000; ++i) REQUIRE(acc[i] == 2.0f);  // zeroed, then both pushes
+    e->release(nullptr);
+  }));
+}
+
 TEST(Engine, DifferentCollectiveCountsFailAtTheBarrierNamingTheLastOne) {
   const auto results = runRanks(2, [](int rank, Rendezvous& rdv) {
     auto e = makeEngine(rank, 2, rdv, twoKeys());

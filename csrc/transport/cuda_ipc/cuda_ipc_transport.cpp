@@ -482,8 +482,7 @@ void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
                                   size_t /*locks_offset*/, uint64_t /*epoch*/, const void* src,
                                   size_t numel, DType dtype, double scale, Stream stream) {
   cuda_ipc::launchPush(accumAt(peer, accum_offset, elem, dtype), src, numel, dtype,
-                       static_cast<float>(scale), sm_count_, error_device_,
-                       peerStream(peer, asStream(stream)));
+                       static_cast<float>(scale), sm_count_, peerStream(peer, asStream(stream)));
 }
 
 double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t value,
@@ -535,8 +534,7 @@ void CudaIpcTransport::pushPeers(size_t accum_offset, size_t elem, size_t locks_
     args.dst[i] = accumAt(p.peer, accum_offset, elem, dtype);
     args.src[i] = p.src;
   }
-  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), ctas_, error_device_,
-                          asStream(stream));
+  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), ctas_, asStream(stream));
 }
 
 void* CudaIpcTransport::accumAt(int peer, size_t accum_offset, size_t elem, DType dtype) {

@@ -151,16 +151,8 @@ __device__ __forceinline__ void red8(float* dst, uint4 raw, float scale) {
 }
 
 // The fp32 accumulator dst[y][i] += scale * src[y][i], src in T (fp32, bf16 or fp16).
-// Skipped once a wait of this rank failed or the host aborted: the push may be behind a failed
-// wait for its owner's release (the owner's optimizer step may still read the accumulator, or
-// the owner is gone).
 template <typename T>
-__global__ void __launch_bounds__(512)
-    odcPushKernel(PushArgs a, size_t numel, float scale, const DeviceError* error) {
-  __shared__ bool skip;
-  if (threadIdx.x == 0) skip = stopped(error);
-  __syncthreads();
-  if (skip) return;
+__global__ void __launch_bounds__(512) odcPushKernel(PushArgs a, size_t numel, float scale) {
   const int y = blockIdx.y;
   float* dst = static_cast<float*>(a.dst[y]);
   const T* src = static_cast<const T*>(a.src[y]);
@@ -253,12 +245,12 @@ void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* err
 }
 
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
-                const DeviceError* error, cudaStream_t stream) {
+                cudaStream_t stream) {
   PushArgs args;
   args.dst[0] = dst;
   args.src[0] = src;
   args.count = 1;
-  launchPushAll(args, numel, dtype, scale, 2 * sm_count, error, stream);
+  launchPushAll(args, numel, dtype, scale, 2 * sm_count, stream);
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
@@ -274,20 +266,20 @@ void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t
 }
 
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
-                   const DeviceError* error, cudaStream_t stream) {
+                   cudaStream_t stream) {
   if (args.count == 0) return;
   constexpr int kThreads = 512;
   const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
   const dim3 grid(blocksPerEntry(ctas, args.count, numel * elem / 16, kThreads), args.count);
   switch (dtype) {
     case DType::kFloat32:
-      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
+      odcPushKernel<float><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     case DType::kBFloat16:
-      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
+      odcPushKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     case DType::kFloat16:
-      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale, error);
+      odcPushKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, scale);
       break;
     default:
       throw OdcError(std::string("odc: CUDA pushes of ") + dtypeName(dtype) +

@@ -38,9 +38,9 @@ void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t deadline_ns,
 void launchRead(void* dst, const void* src, size_t bytes, const DeviceError* error, int ctas,
                 cudaStream_t stream);
 // The fp32 accumulator dst[i] += scale * src[i] for i < numel (src fp32, bf16 or fp16, widened
-// in registers), with remote reductions; nothing once a wait failed or abort is set.
+// in registers), with remote reductions.
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale, int sm_count,
-                const DeviceError* error, cudaStream_t stream);
+                cudaStream_t stream);
 
 // One keyed operation over several peers in one launch (blockIdx.y = entry). Up to kMaxPeers
 // entries (GPUs of one host).
@@ -64,9 +64,8 @@ struct PushArgs {
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, int ctas, cudaStream_t stream);
 // dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
-// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes),
-// or nothing once a wait failed or abort is set (the push may be behind a failed wait).
+// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale, int ctas,
-                   const DeviceError* error, cudaStream_t stream);
+                   cudaStream_t stream);
 
 }  // namespace torch_odc::cuda_ipc

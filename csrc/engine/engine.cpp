@@ -262,16 +262,12 @@ void Engine::waitOwnersReady(size_t key, Stream stream) {
     const int peer = (rank_ + i) % world_;
     waits.push_back({peer, nullptr, context([this, peer, key] {
                        return "peer rank " + std::to_string(peer) +
-                              " to release its gradients "
-                              "of minibatch " +
-                              std::to_string(epoch_ - 1) +
-                              " before the "
-                              "first push of " +
+                              " to release its gradients of minibatch " +
+                              std::to_string(epoch_ - 1) + " before the first push of " +
                               where(key) +
-                              ". The peer releases them when "
-                              "it enters the next minibatch (its first forward, or "
-                              "torch_odc.minibatch_barrier()), after its optimizer step: is "
-                              "it stuck, or did it stop training?";
+                              ". The peer releases them when it enters the next minibatch "
+                              "(its first forward, or torch_odc.minibatch_barrier()), after "
+                              "its optimizer step: is it stuck, or did it stop training?";
                      })});
   }
   transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, waits, stream);

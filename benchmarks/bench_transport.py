@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # machine policy: never NVLink m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
-OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "nccl_reducescatter", "odc_push",
-       "nccl_reducescatter_bf16", "odc_push_bf16")
+OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "odc_publish_gather_aligned",
+       "nccl_reducescatter", "odc_push", "nccl_reducescatter_bf16", "odc_push_bf16",
+       "copy_gather", "copy_push")
 GATHER_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 PUSHES = 3  # pushes per minibatch in the accumulate check
 RATIOS = {  # ratio name: (odc op, NCCL op it is compared with, done-when target or None)
@@ -50,9 +52,27 @@ CHECKS = {  # the correctness checks shown next to each odc op
 }
 
 
+# The physical reference: a plain device-to-device copy (tensor.copy_, on this rank's GPU, every
+# rank at once) of the bytes an odc op moves, timed the same way in the same run: for the gather,
+# the (world-1) peer chunks it reads; for the push, the world chunks it reduces into accumulators.
+# Ratios are time ratios, odc / copy (done when <= COPY_TARGET).
+VS_COPY = {"gather_vs_copy": ("odc_gather", "copy_gather"), "push_vs_copy": ("odc_push", "copy_push")}
+COPY_TARGET = 1.3
+
+
 def op_bytes(op: str, size: int) -> int:
     """Bytes per rank an op moves at message size `size` (the bf16 ops: half, same elements)."""
     return size // 2 if op.endswith("_bf16") else size
+
+
+def align_ranks(lead_ns: int = 2_000_000) -> None:
+    """Returns on every rank at the same CLOCK_MONOTONIC instant (one host): each rank proposes
+    now + lead_ns, all take the latest and spin until then (skew: microseconds)."""
+    t = torch.tensor([time.monotonic_ns() + lead_ns], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    target = int(t.item())
+    while time.monotonic_ns() < target:
+        pass
 
 
 def time_op(fn, iters: int, warmup: int) -> list[float]:
@@ -124,9 +144,10 @@ class Odc:
         self.backend._disconnect_engine()
 
 
-def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dict, str | None]:
-    """Times every op at one size; returns {op: [ms]}, {check: bool} and an odc error if any."""
-    times, checks, error = {}, {}, None
+def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
+    """Times every op at one size; returns {op: [ms]}, {check: bool}, an odc error if any, and
+    diagnostics of the publishing gather (per-sample start instants and host call times)."""
+    times, checks, error, diag = {}, {}, None, {}
     n_g, n_r = size // GATHER_DTYPE.itemsize, size // REDUCE_DTYPE.itemsize
     gen = torch.Generator(device=device).manual_seed(1000 * rank + k)
     shard = torch.randn(n_g, generator=gen, device=device).to(GATHER_DTYPE)
@@ -148,12 +169,20 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dic
     def rs16():
         dist.reduce_scatter_tensor(rs_out16, rs_in16, op=dist.ReduceOp.SUM, group=nccl)
 
+    # Copy references: as many bytes as the odc gather reads and the odc push reduces.
+    cg_src = torch.empty((world - 1) * size, dtype=torch.uint8, device=device)
+    cg_dst = torch.empty_like(cg_src)
+    cp_src = torch.empty(world * size, dtype=torch.uint8, device=device)
+    cp_dst = torch.empty_like(cp_src)
+    times["copy_gather"] = time_op(lambda: cg_dst.copy_(cg_src), args.iters, args.warmup)
+    times["copy_push"] = time_op(lambda: cp_dst.copy_(cp_src), args.iters, args.warmup)
+    del cg_src, cg_dst, cp_src, cp_dst
     if nccl is not None:
         times["nccl_allgather"] = time_op(ag, args.iters, args.warmup)
         times["nccl_reducescatter"] = time_op(rs, args.iters, args.warmup)
         times["nccl_reducescatter_bf16"] = time_op(rs16, args.iters, args.warmup)
     if odc is None:
-        return times, checks, error
+        return times, checks, error, diag
     try:
         out_odc = torch.empty_like(out_nccl)
         odc.barrier()  # a fresh minibatch: the next gather of key k publishes
@@ -172,12 +201,22 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dic
         times["odc_gather"] = time_op(
             lambda: odc.gather(k, out_odc, shard), args.iters, args.warmup
         )
-        # Publish + gather: the first gather of a minibatch, one barrier cycle per sample.
-        pub = []
-        for _ in range(args.publish_iters):
+        # Publish + gather: the first gather of a minibatch, one barrier cycle per sample. As the
+        # ranks leave the barrier (includes waiting for a peer that leaves it later) and with
+        # the ranks aligned to the microsecond first (the operation's own cost).
+        pub, aligned, starts, host = [], [], [], []
+        for i in range(2 * args.publish_iters):
             odc.barrier()
-            pub += time_op(lambda: odc.gather(k, out_odc, shard), 1, 0)
-        times["odc_publish_gather"] = pub
+            if i % 2:
+                torch.cuda.synchronize()
+                align_ranks()
+            starts.append(time.monotonic_ns())
+            t0 = time.perf_counter()
+            (aligned if i % 2 else pub).extend(time_op(lambda: odc.gather(k, out_odc, shard), 1, 0))
+            host.append(time.perf_counter() - t0)
+        times["odc_publish_gather"], times["odc_publish_gather_aligned"] = pub, aligned
+        diag["publish_start_ns"] = starts
+        diag["publish_call_ms"] = [1e3 * h for h in host]
         # Push-accumulate: PUSHES pushes into zeroed accumulators, then the barrier's first half.
         odc.barrier()
         for _ in range(PUSHES):
@@ -205,7 +244,7 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple[dict, dic
         odc.barrier()
     except Exception as err:  # noqa: BLE001  (recorded; the NCCL numbers still count)
         error = f"{type(err).__name__}: {err}"
-    return times, checks, error
+    return times, checks, error, diag
 
 
 def environment(world: int) -> dict:
@@ -232,6 +271,7 @@ def environment(world: int) -> dict:
         "argv": sys.argv,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+        "torch_odc": os.path.dirname(sys.modules["torch_odc"].__file__),
     }
 
 
@@ -324,9 +364,9 @@ def main() -> None:
         # A failure on any rank turns odc off on all of them (avoids one-sided hangs).
         if odc_error := first_error("connect", odc_error):
             odc = None
-    rows, ratios, checks = [], [], []
+    rows, ratios, checks, publish = [], [], [], []
     for k, size in enumerate(sizes):
-        times, ok, error = bench_size(k, size, world, rank, odc, nccl, args, device)
+        times, ok, error, diag = bench_size(k, size, world, rank, odc, nccl, args, device)
         if odc is not None and (error := first_error(f"size {size // MB} MiB", error)):
             odc_error, odc = odc_error or error, None  # NCCL numbers continue without odc
         busbw = {}
@@ -347,11 +387,32 @@ def main() -> None:
                     "busbw_gbps": busbw[op],
                 }
             )
+        median = {r["op"]: r["ms_median"] for r in rows if r["size_bytes"] == size}
         ratios.append(
             {"size_bytes": size}
             | {r: busbw[o] / busbw[n] if o in busbw and n in busbw else None
                for r, (o, n, _) in RATIOS.items()}
+            | {r: median[o] / median[c] if o in median and c in median else None
+               for r, (o, c) in VS_COPY.items()}
         )
+        # The publishing gather: how late the last rank started each sample (barrier exit skew)
+        # and the host time of the call, next to the device times.
+        if all_ranks(int("publish_start_ns" in diag), dist.ReduceOp.MIN):
+            starts = [None] * world
+            dist.all_gather_object(starts, diag["publish_start_ns"])
+            skew = [(max(s) - min(s)) / 1e6 for s in zip(*starts, strict=True)]
+            calls = [None] * world
+            dist.all_gather_object(calls, diag["publish_call_ms"])
+            publish.append(
+                {
+                    "size_bytes": size,
+                    "start_skew_ms_unaligned": skew[0::2],
+                    "start_skew_ms_aligned": skew[1::2],
+                    "host_call_ms_per_rank": calls,
+                    "device_ms_unaligned": times.get("odc_publish_gather"),
+                    "device_ms_aligned": times.get("odc_publish_gather_aligned"),
+                }
+            )
         # Per check, over all ranks: True, False, or None where some rank did not run it.
         names = sorted({n for c in CHECKS.values() for n in c})
         got = [all_ranks(int(ok[n]) if n in ok else -1, dist.ReduceOp.MIN) for n in names]
@@ -391,13 +452,16 @@ def main() -> None:
             "ratios": ratios,
             "checks": checks,
             "latency_ms_1MiB": latency,
+            "publish_gather_diagnostics (rank 0's device times)": publish,
+            "vs_copy_target": COPY_TARGET,
             "done_when": done,
             "odc_error": odc_error,
         }
         with open(stem + ".json", "w") as f:
             json.dump(result, f, indent=1)
         plot(rows, ratios, world, stem + ".png")
-        print(f"\n{world} x {torch.cuda.get_device_name()}; wrote {stem}.json and .png")
+        print(f"\n{world} x {torch.cuda.get_device_name()}; torch_odc from "
+              f"{result['environment']['torch_odc']}; wrote {stem}.json and .png")
         if odc_error:
             print(f"odc error (full text in the JSON): {odc_error.splitlines()[0]}")
         print(f"{'size':>8} {'op':<19} {'ms':>9} {'busbw GB/s':>10} {'ratio':>6}  check")
@@ -412,6 +476,16 @@ def main() -> None:
                 f"{r['busbw_gbps']:10.1f} {ratio:>6}  {check}"
             )
         print(f"done-when ({done['criterion']}): {'PASS' if done['pass'] else 'FAIL'}")
+        print(f"odc time / plain copy time of the same bytes (target <= {COPY_TARGET}):")
+        for r in ratios:
+            vals = "  ".join(f"{k} {r[k]:.3f}" for k in VS_COPY if r[k] is not None)
+            print(f"{r['size_bytes'] // MB:>5}MiB  {vals}")
+        for p in publish:
+            med = statistics.median
+            print(f"{p['size_bytes'] // MB:>5}MiB publish gather: start skew median "
+                  f"{med(p['start_skew_ms_unaligned']):.3f} ms (aligned "
+                  f"{med(p['start_skew_ms_aligned']):.3f}); host call median "
+                  f"{med(p['host_call_ms_per_rank'][0]):.3f} ms")
     dist.barrier()
     dist.destroy_process_group()
 

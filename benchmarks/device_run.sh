@@ -2,7 +2,7 @@
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2, 4 and 8 GPUs (those present). Logs and results go to $OUT (default: benchmarks/results).
 #   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench memory sanitize e2e diag;
-#   all = tests,bench
+#   all = tests,bench (ODC_BASELINE: see below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -12,8 +12,23 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 PY="${PYTHON:-python3}"
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
+# ODC_BASELINE=<tar of an earlier tree> (e.g. `git archive <commit> csrc setup.py pyproject.toml
+# torch_odc CMakeLists.txt`): built beside this one, and the benchmarks run with it too, in the
+# same call (results under $OUT/baseline): a kernel change measured side by side with the code
+# before it.
+base=""
+if [[ -n ${ODC_BASELINE:-} ]]; then
+  base=/tmp/odc_baseline; rm -rf "$base"; mkdir -p "$base" "$OUT/baseline"
+  tar -xf "$ODC_BASELINE" -C "$base"
+  (cd "$base" && "$PY" setup.py build_ext --inplace > "$OUT/baseline/build.log" 2>&1) &
+fi
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || {
   tail -40 "$OUT/build.log"; exit 1; }
+if [[ -n $base ]]; then
+  wait || { tail -20 "$OUT/baseline/build.log"; base=""; }
+fi
+# with_base CMD...: runs CMD with the baseline tree's torch_odc first on the path.
+with_base() { PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 "$PY" -c 'import torch_odc; assert torch_odc._C._has_cuda_transport(), "no CUDA transport built"'
 rc=0
 if has tests; then
@@ -25,7 +40,11 @@ if has bench; then
     # With one GPU, 2 ranks share it (odc ops only: NCCL refuses two ranks on one GPU).
     (( n <= gpus || (n == 2 && gpus == 1) )) || continue
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
-      2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
+      2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -30 || rc=1
+    if [[ -n $base ]]; then
+      with_base timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py \
+        --out "$OUT/baseline" 2>&1 | tee "$OUT/baseline/bench_transport_${n}gpu.log" | tail -30 || rc=1
+    fi
   done
 fi
 if has memory; then

@@ -73,6 +73,8 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   std::memset(error_host_, 0, sizeof(cuda_ipc::DeviceError));
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_host_, 0), rank_,
         "cudaHostGetDevicePointer");
+  check(cudaMalloc(reinterpret_cast<void**>(&stop_), sizeof(uint32_t)), rank_, "cudaMalloc");
+  check(cudaMemset(stop_, 0, sizeof(uint32_t)), rank_, "cudaMemset");
 
   void* base = nullptr;
   check(cudaMalloc(&base, bytes_), rank_,
@@ -171,6 +173,8 @@ void CudaIpcTransport::close() {
   if (error_host_) cudaFreeHost(error_host_);
   error_host_ = nullptr;
   error_device_ = nullptr;
+  if (stop_) cudaFree(stop_);
+  stop_ = nullptr;
   control_.close();
 }
 
@@ -178,6 +182,14 @@ void CudaIpcTransport::abort() {
   if (error_host_) {
     *word(&error_host_->abort) = 1;
     std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+  if (stop_ && ctl_stream_) {
+    // Running waits see the host word and set the stop word themselves; this sets it for copies
+    // and pushes queued behind waits that already completed. ctl_stream_ is non-blocking, so the
+    // write runs beside a spinning kernel.
+    DeviceGuard guard(device_);
+    cudaMemsetAsync(stop_, 0x01, 1, ctl_stream_);
+    cudaGetLastError();  // best effort: abort never throws
   }
 }
 
@@ -462,7 +474,7 @@ void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
   }
   const cudaStream_t side = peerStream(peer, asStream(stream));
   cuda_ipc::launchWait(reinterpret_cast<const uint64_t*>(at(peer, flag_offset)), value,
-                       deviceDeadline(ctx.deadline), error_device_, slot, side);
+                       deviceDeadline(ctx.deadline), error_device_, stop_, slot, side);
   watch(side, ctx.deadline, {peer}, {ctx.describe});
 }
 
@@ -474,7 +486,7 @@ void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, St
   }
   // A kernel rather than a copy-engine memcpy: it is skipped once a wait failed (the peer's
   // region may be gone).
-  cuda_ipc::launchRead(dst, at(peer, offset), bytes, error_device_, ctas_,
+  cuda_ipc::launchRead(dst, at(peer, offset), bytes, stop_, ctas_,
                        peerStream(peer, asStream(stream)));
 }
 
@@ -482,7 +494,8 @@ void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
                                   size_t /*locks_offset*/, uint64_t /*epoch*/, const void* src,
                                   size_t numel, DType dtype, double scale, Stream stream) {
   cuda_ipc::launchPush(accumAt(peer, accum_offset, elem, dtype), src, numel, dtype,
-                       static_cast<float>(scale), sm_count_, peerStream(peer, asStream(stream)));
+                       static_cast<float>(scale), stop_, sm_count_,
+                       peerStream(peer, asStream(stream)));
 }
 
 double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t value,
@@ -514,7 +527,7 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
     peers.push_back(r.peer);
     describe.push_back(r.ctx.describe);
   }
-  cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, ctas_,
+  cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, stop_, ctas_,
                          asStream(stream));
   watch(asStream(stream), deadline, std::move(peers), std::move(describe));
   return 0;
@@ -534,7 +547,8 @@ void CudaIpcTransport::pushPeers(size_t accum_offset, size_t elem, size_t locks_
     args.dst[i] = accumAt(p.peer, accum_offset, elem, dtype);
     args.src[i] = p.src;
   }
-  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), ctas_, asStream(stream));
+  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), stop_, ctas_,
+                          asStream(stream));
 }
 
 void* CudaIpcTransport::accumAt(int peer, size_t accum_offset, size_t elem, DType dtype) {

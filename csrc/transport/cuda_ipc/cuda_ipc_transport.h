@@ -10,17 +10,18 @@
 //  - wait: a 1-thread kernel spinning with ld.acquire.sys on the peer's flag (deadline = the
 //    process-group timeout; on expiry it records which wait failed in mapped host memory, and
 //    the host raises at the next keyed call, Work::wait or the barrier).
-//  - gather: one kernel over all peers: per block, one thread acquire-spins on the peer's flag
+//  - gather: a one-block kernel in which one thread per peer acquire-spins on the peer's flag
 //    (deadline = the process-group timeout; on expiry it records which wait failed in mapped
 //    host memory, and the host raises at the next keyed call, Work::wait or the barrier), then
-//    the block copies its share with 16-byte loads over NVLink.
+//    one kernel over all peers copies with 16-byte loads over NVLink.
 //  - push: one kernel over all owners: 16-byte loads and remote vector reductions into each
 //    owner's accumulator.
 // Failures end in seconds, however many ops are queued: every wait of an op compares against
 // the op's absolute deadline (host deadline + a host-to-%globaltimer offset calibrated at connect
 // and at every barrier) and polls an abort word in mapped host memory; once one wait failed or
-// the abort word is set, every queued and later wait returns at once and the copies behind them
-// are skipped. A watchdog thread runs while gathers are pending on the device: it checks the
+// the abort word is set, every queued and later wait returns at once and the copies and pushes
+// behind them are skipped (a stop word in device memory: no multi-block kernel reads host
+// memory). A watchdog thread runs while gathers are pending on the device: it checks the
 // awaited peers' life locks (shm_transport.h) and the op's deadline, and on a dead peer (or, as
 // a backstop, shortly after a missed deadline) sets the abort word and records an error naming
 // rank, peer, key and minibatch, raised at the next keyed call, Work::wait() or the barrier.
@@ -136,6 +137,9 @@ class CudaIpcTransport : public Transport {
   ShmTransport control_;
   cuda_ipc::DeviceError* error_host_ = nullptr;  // mapped pinned memory
   cuda_ipc::DeviceError* error_device_ = nullptr;
+  // The device stop word (kernels.h): set by a wait kernel that failed or saw abort, and by
+  // abort(); read by every block of the copy and push kernels.
+  uint32_t* stop_ = nullptr;
   // Descriptions of in-flight device waits, indexed by the slot a failing wait reports.
   static constexpr uint32_t kSlots = 4096;
   std::vector<std::function<std::string()>> wait_descriptions_;

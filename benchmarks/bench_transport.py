@@ -34,8 +34,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # machine policy: never NVLink m
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
 OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "odc_publish_gather_aligned",
-       "nccl_reducescatter", "odc_push", "nccl_reducescatter_bf16", "odc_push_bf16",
-       "copy_gather", "copy_push")
+       "odc_gather_after_publish", "nccl_reducescatter", "odc_push", "nccl_reducescatter_bf16",
+       "odc_push_bf16", "copy_gather", "copy_push", "memcpy_gather", "memcpy_push",
+       "ipc_copy_gather", "ipc_add_push")
 GATHER_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 PUSHES = 3  # pushes per minibatch in the accumulate check
 RATIOS = {  # ratio name: (odc op, NCCL op it is compared with, done-when target or None)
@@ -52,17 +53,39 @@ CHECKS = {  # the correctness checks shown next to each odc op
 }
 
 
-# The physical reference: a plain device-to-device copy (tensor.copy_, on this rank's GPU, every
-# rank at once) of the bytes an odc op moves, timed the same way in the same run: for the gather,
-# the (world-1) peer chunks it reads; for the push, the world chunks it reduces into accumulators.
-# Ratios are time ratios, odc / copy (done when <= COPY_TARGET).
-VS_COPY = {"gather_vs_copy": ("odc_gather", "copy_gather"), "push_vs_copy": ("odc_push", "copy_push")}
+# The physical reference: a plain device-to-device copy kernel on this rank's GPU (torch's
+# vectorized elementwise kernel, y = x * 1 in fp32: reads and writes the bytes once, on the SMs
+# like odc's kernels), every rank at once, timed the same way in the same run, of the bytes an odc
+# op moves: for the gather, the (world-1) peer chunks it reads; for the push, the world chunks it
+# reduces into accumulators. memcpy_* time cudaMemcpyAsync of the same bytes (tensor.copy_; the
+# driver may use a copy engine, which runs beside another process's kernels on a shared GPU).
+# Ratios are time ratios, odc / copy kernel (done when <= COPY_TARGET).
+# ipc_*: the same plain kernels on the memory odc's ops touch, peers' buffers opened through
+# CUDA IPC as odc's transport opens them: ipc_copy_gather reads each peer's chunk (y = x * 1);
+# ipc_add_push adds a chunk into every rank's fp32 buffer (x += y, no atomics).
+VS_COPY = {
+    "gather_vs_copy": ("odc_gather", "copy_gather"),
+    "push_vs_copy": ("odc_push", "copy_push"),
+    "gather_vs_ipc_copy": ("odc_gather", "ipc_copy_gather"),
+    "push_vs_ipc_add": ("odc_push", "ipc_add_push"),
+}
 COPY_TARGET = 1.3
 
 
 def op_bytes(op: str, size: int) -> int:
     """Bytes per rank an op moves at message size `size` (the bf16 ops: half, same elements)."""
     return size // 2 if op.endswith("_bf16") else size
+
+
+def ipc_views(world: int, rank: int, nbytes: int, device) -> list[torch.Tensor]:
+    """Every rank's fp32 buffer of nbytes: its own, and its peers' opened through CUDA IPC."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    own = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    rebuild, handle = reduce_tensor(own)
+    handles = [None] * world
+    dist.all_gather_object(handles, handle)
+    return [own if r == rank else rebuild(*handles[r]) for r in range(world)]
 
 
 def align_ranks(lead_ns: int = 2_000_000) -> None:
@@ -111,6 +134,15 @@ class Odc:
         self._C._set_keyed_call(k)
         try:
             dist.all_gather_into_tensor(out, inp)
+        finally:
+            self._C._set_keyed_call(-1)
+        self.published.add(k)
+
+    def publish(self, k: int, inp: torch.Tensor) -> None:
+        """Publishes key k's shard without gathering (the eager publish of attach)."""
+        self._C._set_keyed_call(k, True)
+        try:
+            dist.all_gather_into_tensor(inp.new_empty(self.world * inp.numel()), inp)
         finally:
             self._C._set_keyed_call(-1)
         self.published.add(k)
@@ -170,13 +202,30 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
         dist.reduce_scatter_tensor(rs_out16, rs_in16, op=dist.ReduceOp.SUM, group=nccl)
 
     # Copy references: as many bytes as the odc gather reads and the odc push reduces.
-    cg_src = torch.empty((world - 1) * size, dtype=torch.uint8, device=device)
-    cg_dst = torch.empty_like(cg_src)
-    cp_src = torch.empty(world * size, dtype=torch.uint8, device=device)
-    cp_dst = torch.empty_like(cp_src)
-    times["copy_gather"] = time_op(lambda: cg_dst.copy_(cg_src), args.iters, args.warmup)
-    times["copy_push"] = time_op(lambda: cp_dst.copy_(cp_src), args.iters, args.warmup)
-    del cg_src, cg_dst, cp_src, cp_dst
+    for name, nbytes in (("gather", (world - 1) * size), ("push", world * size)):
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        times[f"copy_{name}"] = time_op(lambda: torch.mul(src, 1.0, out=dst), args.iters,
+                                        args.warmup)
+        times[f"memcpy_{name}"] = time_op(lambda: dst.copy_(src), args.iters, args.warmup)
+        del src, dst
+    views = ipc_views(world, rank, size, device)
+    out = torch.empty(size // 4, dtype=torch.float32, device=device)
+    peers = [views[(rank + i) % world] for i in range(1, world)]
+
+    def ipc_copy():
+        for v in peers:
+            torch.mul(v, 1.0, out=out)
+
+    def ipc_add():
+        for v in views:
+            v.add_(out)
+
+    times["ipc_copy_gather"] = time_op(ipc_copy, args.iters, args.warmup)
+    times["ipc_add_push"] = time_op(ipc_add, args.iters, args.warmup)
+    torch.cuda.synchronize()
+    dist.barrier()  # peers are done with this rank's buffer
+    del views, peers, out
     if nccl is not None:
         times["nccl_allgather"] = time_op(ag, args.iters, args.warmup)
         times["nccl_reducescatter"] = time_op(rs, args.iters, args.warmup)
@@ -215,6 +264,16 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
             (aligned if i % 2 else pub).extend(time_op(lambda: odc.gather(k, out_odc, shard), 1, 0))
             host.append(time.perf_counter() - t0)
         times["odc_publish_gather"], times["odc_publish_gather_aligned"] = pub, aligned
+        # The same first gather of a minibatch once every rank's publish has completed on the
+        # device: what is left when no wait finds its peer's flag unset.
+        after = []
+        for _ in range(args.publish_iters):
+            odc.barrier()
+            odc.publish(k, shard)
+            torch.cuda.synchronize()
+            align_ranks()
+            after += time_op(lambda: odc.gather(k, out_odc, shard), 1, 0)
+        times["odc_gather_after_publish"] = after
         diag["publish_start_ns"] = starts
         diag["publish_call_ms"] = [1e3 * h for h in host]
         # Push-accumulate: PUSHES pushes into zeroed accumulators, then the barrier's first half.

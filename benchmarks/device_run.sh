@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
-# on 2, 4 and 8 GPUs (those present). Logs and results go to $OUT (default: benchmarks/results).
-#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench memory sanitize e2e diag;
-#   all = tests,bench
+# on 2, 4 and 8 GPUs (those present), the training-step benchmark. Logs and results go to $OUT
+# (default: benchmarks/results).
+#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench step memory sanitize e2e
+#   diag; all = tests,bench,step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
-what="${1:-all}"; [[ $what == all ]] && what="tests,bench"
+what="${1:-all}"; [[ $what == all ]] && what="tests,bench,step"
 has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
@@ -27,6 +28,18 @@ if has bench; then
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -22 || rc=1
   done
+fi
+if has step; then
+  # Issue 23: a training step (16 layers x 2048, bf16, 2 x 4096 tokens per rank) under FSDP2 +
+  # ODC: minibatch time, GPU time by category (ODC's kernels' share), host time in ODC calls,
+  # the plain-copy reference. 2 ranks sharing GPU 0 (~1 min on an H100), then with 2+ GPUs one
+  # rank per GPU with FSDP2 over NCCL beside it.
+  CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
+    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
+  if (( gpus >= 2 )); then
+    timeout 300 torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" 2>&1 \
+      | grep -v -i warn | tee "$OUT/bench_step_${gpus}gpu.log" | tail -30 || rc=1
+  fi
 fi
 if has memory; then
   # Issue 17: allocator peak + ODC region vs FSDP2 on the e2e model (2 ranks; on one GPU they

@@ -399,6 +399,18 @@ def summarize(cfg, per_rank) -> dict:
     return out
 
 
+def make_result(per_rank, configs, title, device_type, shared, env) -> dict:
+    """What rank 0 writes: the summary per configuration and every rank's bytes and copies."""
+    return {
+        "title": title, "device_type": device_type, "world": len(per_rank),
+        "ranks_share_a_gpu": shared, "environment": env,
+        "configs": {cfg: summarize(cfg, per_rank) for cfg in configs},
+        "moved_per_rank": [r["odc"]["moved"] for r in per_rank],
+        "reference_per_rank": [r["reference"] for r in per_rank],
+        "reference_rank0": per_rank[0]["reference"],
+    }
+
+
 def environment(args, world, device, gpus) -> dict:
     def run(*cmd):
         try:
@@ -435,8 +447,8 @@ def plot(result, path):
 
     configs = list(result["configs"])
     palette = plt.get_cmap("tab20")
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5),
-                                  gridspec_kw={"width_ratios": [max(2, len(configs)), 3]})
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={
+        "width_ratios": [max(2, len(configs)), 3, 2]})
     for i, cfg in enumerate(configs):
         s = result["configs"][cfg]
         gpu = s.get("gpu_ms_mean")
@@ -449,7 +461,7 @@ def plot(result, path):
         bottom = 0.0
         for j, (label, v) in enumerate(parts):
             color = palette(CATEGORIES.index(label) if label in CATEGORIES else j)
-            ax.bar(i, v, bottom=bottom, color=color, label=label if i == 0 or gpu else None)
+            ax.bar(i, v, bottom=bottom, color=color, label=label)
             bottom += v
         share = s.get("odc_share_max") if cfg == "odc" else s.get("nccl_share_max")
         note = f"{bottom:.0f} ms" + (f"\n{share:.1%} comm." if share is not None else "")
@@ -461,27 +473,34 @@ def plot(result, path):
     uniq = dict(zip(labels, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="lower right")
     ax.set_title(result["title"], fontsize=9)
-    # Right: ODC's moving of bytes vs the plain copy of the same bytes, and its host time.
     odc = result["configs"].get("odc")
-    if odc is not None:
-        ref = result["reference_rank0"]
-        gpu = odc.get("gpu_ms_per_rank", [None])[0]
-        bars = [("gather copy\nref.", ref["gathered"]["one_copy_s"] * 1e3, "C7"),
-                ("gather per-call\nref.", ref["gathered"]["per_call_s"] * 1e3, "C7")]
+    ref = result["reference_rank0"]
+    # Middle: ODC's kernels vs a plain copy of the same bytes (rank 0).
+    gpu = (odc.get("gpu_ms_per_rank") or [None])[0]
+    bars = []
+    for what, kern, color in (("gathered", "odc_gather", palette(0)),
+                              ("pushed", "odc_push", palette(2))):
+        bars += [(f"{what}:\none copy", ref[what]["one_copy_s"] * 1e3, "0.6"),
+                 (f"{what}:\n{ref[what]['calls']} copies", ref[what]["per_call_s"] * 1e3, "0.6")]
         if gpu:
-            bars.append(("ODC gather\nkernels", gpu["odc_gather"], "C0"))
-        bars += [("push copy\nref.", ref["pushed"]["one_copy_s"] * 1e3, "C7"),
-                 ("push per-call\nref.", ref["pushed"]["per_call_s"] * 1e3, "C7")]
-        if gpu:
-            bars.append(("ODC push\nkernels", gpu["odc_push"], "C2"))
-        bars.append(("host in ODC\ncalls", odc["host_odc_ms_per_rank"][0], "C3"))
-        for k, (label, v, color) in enumerate(bars):
-            ax2.bar(k, v, color=color)
-            ax2.text(k, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-        ax2.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
-        ax2.set_ylabel("ms per minibatch, rank 0")
-        ax2.set_title(f"rank 0 moved {ref['gathered']['bytes'] / MiB:.0f} MiB gathered, "
-                      f"{ref['pushed']['bytes'] / MiB:.0f} MiB pushed", fontsize=9)
+            bars.append((f"{kern}\nkernels", gpu[kern], color))
+    for k, (label, v, color) in enumerate(bars):
+        ax2.bar(k, v, color=color)
+        ax2.text(k, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax2.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax2.set_ylabel("ms per minibatch, rank 0")
+    ax2.set_title(f"bytes moved by rank 0: {ref['gathered']['bytes'] / MiB:.1f} MiB gathered, "
+                  f"{ref['pushed']['bytes'] / MiB:.1f} MiB pushed; plain copies (grey)",
+                  fontsize=9)
+    # Right: host time inside ODC calls by kind (rank 0; nested kinds each in full).
+    kinds = odc["host_odc_by_kind_ms_per_rank"][0]
+    names = sorted(kinds)
+    ax3.barh(range(len(names)), [kinds[n]["ms"] for n in names], color=palette(6))
+    ax3.set_yticks(range(len(names)), [f"{n} ({kinds[n]['calls']})" for n in names],
+                   fontsize=7)
+    ax3.set_xlabel("host ms per minibatch, rank 0 (calls)")
+    ax3.set_title(f"host in ODC calls: {odc['host_odc_ms_per_rank'][0]:.1f} ms in all",
+                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -491,9 +510,9 @@ def table(result) -> str:
     configs = list(result["configs"])
     rows = [("minibatch s (median, slowest rank)",
              [f"{result['configs'][c]['minibatch_s_median']:.3f}" for c in configs]),
-            ("  microbatches / barrier / step s",
-             ["/".join(f"{result['configs'][c][p + '_median']:.3f}"
-                       for p in ("micro_s", "barrier_s", "step_s")) for c in configs])]
+            *[(f"  {label} s", [f"{result['configs'][c][p + '_median']:.3f}" for c in configs])
+              for label, p in (("microbatches", "micro_s"), ("barrier", "barrier_s"),
+                               ("optimizer step", "step_s"))]]
     gpu = [result["configs"][c].get("gpu_ms_mean") for c in configs]
     if any(gpu):
         rows.append(("GPU ms per minibatch (mean of ranks)",
@@ -501,9 +520,9 @@ def table(result) -> str:
         for cat in CATEGORIES:
             if any(g and g[cat] > 0 for g in gpu):
                 rows.append((f"  {cat}", [f"{g[cat]:.2f}" if g else "-" for g in gpu]))
-        rows.append(("ODC kernels share (worst rank; <= 10%)",
-                     [f"{result['configs'][c]['odc_share_max']:.1%}" if c == "odc" else "-"
-                      for c in configs]))
+        share = [result["configs"][c]["odc_share_max" if c == "odc" else "nccl_share_max"]
+                 for c in configs]  # ODC's: at most 10% (issue 23)
+        rows.append(("comm. kernels share (worst rank)", [f"{x:.1%}" for x in share]))
         rows.append(("  with ODC's other device work",
                      [f"{result['configs'][c]['odc_with_other_share_max']:.1%}"
                       if c == "odc" else "-" for c in configs]))
@@ -519,7 +538,7 @@ def table(result) -> str:
         g = (odc.get("gpu_ms_per_rank") or [None])[0]
         for what, kern in (("gathered", "odc_gather"), ("pushed", "odc_push")):
             r = ref[what]
-            have = f"ODC {kern} kernels {g[kern]:.2f} ms vs " if g else ""
+            have = f"{kern} kernels {g[kern]:.2f} ms vs " if g else ""
             lines.append(f"rank 0 {what} {r['bytes'] / MiB:.1f} MiB in {r['calls']} calls: "
                          f"{have}plain copy {r['one_copy_s'] * 1e3:.2f} ms "
                          f"({r['per_call_s'] * 1e3:.2f} ms in {r['calls']} pieces)")
@@ -582,18 +601,13 @@ def main():
     dist.all_gather_object(per_rank, res)
     if rank == 0:
         share = "sharing " if not own_gpu else ""
-        where = (f"{world} ranks {share}on {min(gpus, world)} x {torch.cuda.get_device_name(device)}"
-                 if args.device == "cuda" else f"{world} CPU ranks")
-        result = {
-            "title": f"{args.layers} layers x {args.dim}, {args.microbatches} x {args.seq} tokens "
-                     f"per rank, {where}",
-            "device_type": args.device, "world": world, "ranks_share_a_gpu": not own_gpu,
-            "environment": environment(args, world, device, gpus),
-            "configs": {cfg: summarize(cfg, per_rank) for cfg in configs},
-            "moved_per_rank": [r["odc"]["moved"] for r in per_rank],
-            "reference_per_rank": [r["reference"] for r in per_rank],
-            "reference_rank0": per_rank[0]["reference"],
-        }
+        where = (f"{world} ranks {share}on {min(gpus, world)} x "
+                 f"{torch.cuda.get_device_name(device)}" if args.device == "cuda"
+                 else f"{world} CPU ranks")
+        title = (f"{args.layers} layers x {args.dim}, {args.microbatches} x {args.seq} tokens "
+                 f"per rank, {where}")
+        result = make_result(per_rank, list(configs), title, args.device, not own_gpu,
+                             environment(args, world, device, gpus))
         tag = args.tag or (f"{min(gpus, world)}gpu_{world}ranks" if args.device == "cuda"
                            else f"{world}cpu")
         os.makedirs(args.out, exist_ok=True)

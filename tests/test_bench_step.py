@@ -13,7 +13,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_step import CATEGORIES, gpu_breakdown, host_odc_time, innermost
+from bench_step import (CATEGORIES, gpu_breakdown, host_odc_time, innermost, make_result, plot,
+                        table)
 
 import torch_odc
 
@@ -109,6 +110,46 @@ def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
     assert h["total_us"] == 40 + 30 + 20  # nested publish counted once; device copies not
 
 
+def test_report_of_gpu_profiles(tmp_path):
+    """Summary, table and plot from GPU profiles (synthetic: the CUDA-only branches, checked
+    here on any machine): ODC's share, the slowest rank per minibatch, NCCL's share."""
+
+    def rank(walls, gather_us, compute_us):
+        def prof(odc):
+            comm = [ev("cudaLaunchKernel", 1, 2, id=1),
+                    ev("odcGatherKernel" if odc else "ncclDevKernel_AllGather", 10,
+                       10 + gather_us, GPU, id=1)]
+            return comm + [ev("odc::gather l0" if odc else "FSDP::all_gather (l0)", 0, 3000),
+                           ev("gemm", 100, 100 + compute_us, GPU, id=2)]
+
+        rows = [{"wall_s": w, "micro_s": w * 0.8, "barrier_s": w * 0.1, "step_s": w * 0.1}
+                for w in walls]
+        moved = {"bytes_fetched": 3 * 2**20, "keyed_gathers": 4, "bytes_pushed": 2**20,
+                 "keyed_reduce_scatters": 2}
+        ref = {w: {"bytes": moved[b], "calls": moved[c], "piece_bytes": 1, "one_copy_s": 1e-3,
+                   "per_call_s": 2e-3}
+               for w, b, c in (("gathered", "bytes_fetched", "keyed_gathers"),
+                               ("pushed", "bytes_pushed", "keyed_reduce_scatters"))}
+        return {cfg: {"rows": rows, "n_params": 7, "moved": moved, "allocator_peak_bytes": 1,
+                      "profiled": {"row": rows[0], "gpu": gpu_breakdown(prof(cfg == "odc")),
+                                   "host_odc": host_odc_time(prof(cfg == "odc"))}}
+                for cfg in ("odc", "nccl")} | {"reference": ref}
+
+    per_rank = [rank([0.3, 0.5, 0.4], 100, 900), rank([0.35, 0.2, 0.45], 300, 700)]
+    r = make_result(per_rank, ["odc", "nccl"], "synthetic", "cuda", False, {})
+    odc, nccl = r["configs"]["odc"], r["configs"]["nccl"]
+    assert odc["minibatch_s"] == [0.35, 0.5, 0.45] and odc["minibatch_s_median"] == 0.45
+    assert odc["gpu_ms_per_rank"][1]["odc_gather"] == 0.3 and odc["gpu_ms_mean"]["total"] == 1.0
+    assert odc["odc_share_per_rank"] == [0.1, 0.3] and odc["odc_share_max"] == 0.3
+    assert nccl["nccl_share_max"] == 0.3 and nccl["odc_share_max"] == 0.0
+    assert odc["host_odc_ms_per_rank"] == [3.0, 3.0] and nccl["host_odc_ms_per_rank"] == [0, 0]
+    text = table(r)
+    assert "30.0%" in text and "odc_gather kernels 0.10 ms vs plain copy 1.00 ms" in text, text
+    assert "comm. kernels share" in text, text
+    plot(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
 def torchrun(args, out, limit_s=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            "--nproc-per-node=2", os.path.join(ROOT, "benchmarks", "bench_step.py"),
@@ -151,9 +192,9 @@ def test_bench_step_runs_and_reports(device, tmp_path):
     assert (baseline in r["configs"]) == (device == "cpu" or gpus >= 2)
     odc = r["configs"]["odc"]
     n = odc["n_params"]
-    # per layer: wq, wkv (2 x 2 kv heads x 16), wo 64 x 64 each, w13 + w2, 2 norms; embed,
-    # norm, head
-    assert n == 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) + 64 + 2 * 512 * 64
+    # per layer: wq, wkv (2 x 2 kv heads x 16 wide), wo: 64 x 64 each; w13 + w2; 2 norms.
+    # Then embedding, norm, head.
+    assert n == 2 * (3 * 64 * 64 + 3 * 64 * 176 + 2 * 64) + 64 + 2 * 512 * 64
     for moved, ref, host in zip(r["moved_per_rank"], r["reference_per_rank"],
                                 odc["host_odc_by_kind_ms_per_rank"], strict=True):
         # 2 microbatches, fp32 shard (n / 2 elements, dims are even: no padding), 1 peer

@@ -559,7 +559,7 @@ def main():
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing of every layer")
     p.add_argument("--warmup", type=int, default=2, help="minibatches before the measured ones")
-    p.add_argument("--minibatches", type=int, default=5, help="measured minibatches")
+    p.add_argument("--minibatches", type=int, default=8, help="measured minibatches")
     p.add_argument("--baseline", choices=["auto", "on", "off"], default="auto",
                    help="also run plain FSDP2 over NCCL (gloo on CPU); auto: when every rank "
                         "has a GPU of its own")

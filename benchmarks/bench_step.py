@@ -449,6 +449,7 @@ def plot(result, path):
     palette = plt.get_cmap("tab20")
     fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={
         "width_ratios": [max(2, len(configs)), 3, 2]})
+    top = 0.0
     for i, cfg in enumerate(configs):
         s = result["configs"][cfg]
         gpu = s.get("gpu_ms_mean")
@@ -464,8 +465,11 @@ def plot(result, path):
             ax.bar(i, v, bottom=bottom, color=color, label=label)
             bottom += v
         share = s.get("odc_share_max") if cfg == "odc" else s.get("nccl_share_max")
-        note = f"{bottom:.0f} ms" + (f"\n{share:.1%} comm." if share is not None else "")
+        who = "ODC kernels" if cfg == "odc" else cfg
+        note = f"{bottom:.0f} ms" + (f"\n{who} {share:.1%}" if share is not None else "")
         ax.text(i, bottom, note, ha="center", va="bottom", fontsize=8)
+        top = max(top, bottom)
+    ax.set_ylim(0, top * 1.18)
     ax.set_xticks(range(len(configs)), configs)
     ax.set_ylabel("GPU ms per minibatch (mean over ranks)" if result["device_type"] == "cuda"
                   else "host ms per minibatch (CPU run)")
@@ -487,6 +491,7 @@ def plot(result, path):
     for k, (label, v, color) in enumerate(bars):
         ax2.bar(k, v, color=color)
         ax2.text(k, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax2.set_ylim(0, max(v for _, v, _ in bars) * 1.12 or 1.0)
     ax2.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax2.set_ylabel("ms per minibatch, rank 0")
     ax2.set_title(f"bytes moved by rank 0: {ref['gathered']['bytes'] / MiB:.1f} MiB gathered, "

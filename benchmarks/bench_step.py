@@ -419,6 +419,15 @@ def environment(args, world, device, gpus) -> dict:
         except (OSError, subprocess.SubprocessError, IndexError):
             return "unavailable"
 
+    def dirty():
+        """Whether tracked files differ from the commit (None: no git)."""
+        try:
+            return bool(subprocess.run(
+                ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True, text=True, check=True, timeout=20).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            return None
+
     cuda = device.type == "cuda"
     return {
         "command": f"torchrun --nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', world)} "
@@ -433,8 +442,7 @@ def environment(args, world, device, gpus) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "git_commit": run("git", "-C", ROOT, "rev-parse", "HEAD"),
-        "git_dirty": run("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
-        not in ("", "unavailable"),
+        "git_dirty": dirty(),
         "args": vars(args),
     }
 

@@ -33,8 +33,7 @@ if has step; then
   # Issue 23: a training step (16 layers x 2048, bf16, 2 x 4096 tokens per rank) under FSDP2 +
   # ODC: minibatch time, GPU time by category (ODC's kernels' share), host time in ODC calls,
   # the plain-copy reference. 2 ranks sharing GPU 0 (estimated ~1 min on an H100, not yet
-  # measured), then with 2+ GPUs one
-  # rank per GPU with FSDP2 over NCCL beside it.
+  # measured), then with 2+ GPUs one rank per GPU with FSDP2 over NCCL beside it.
   CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
     --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
   if (( gpus >= 2 )); then

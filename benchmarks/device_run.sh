@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
-# on 2, 4 and 8 GPUs (those present). Logs and results go to $OUT (default: benchmarks/results).
-#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench memory sanitize e2e diag;
-#   all = tests,bench (ODC_BASELINE: see below)
+# on 2, 4 and 8 GPUs (those present), the training-step benchmark. Logs and results go to $OUT
+# (default: benchmarks/results).
+#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench step memory sanitize e2e
+#   diag; all = tests,bench,step (ODC_BASELINE: see below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
-what="${1:-all}"; [[ $what == all ]] && what="tests,bench"
+what="${1:-all}"; [[ $what == all ]] && what="tests,bench,step"
 has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
@@ -46,6 +47,23 @@ if has bench; then
         --out "$OUT/baseline" 2>&1 | tee "$OUT/baseline/bench_transport_${n}gpu.log" | tail -30 || rc=1
     fi
   done
+fi
+if has step; then
+  # Issue 23: a training step (16 layers x 2048, bf16, 2 x 4096 tokens per rank) under FSDP2 +
+  # ODC: minibatch time, GPU time by category (ODC's kernels' share), host time in ODC calls,
+  # the plain-copy reference. 2 ranks sharing GPU 0 (estimated ~1 min on an H100, not yet
+  # measured), then with 2+ GPUs one rank per GPU with FSDP2 over NCCL beside it.
+  CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
+    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
+  if [[ -n $base ]]; then
+    CUDA_VISIBLE_DEVICES=0 with_base timeout 240 torchrun --nproc-per-node=2 \
+      benchmarks/bench_step.py --out "$OUT/baseline" 2>&1 | grep -v -i warn \
+      | tee "$OUT/baseline/bench_step_1gpu.log" | tail -30 || rc=1
+  fi
+  if (( gpus >= 2 )); then
+    timeout 300 torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" 2>&1 \
+      | grep -v -i warn | tee "$OUT/bench_step_${gpus}gpu.log" | tail -30 || rc=1
+  fi
 fi
 if has memory; then
   # Issue 17: allocator peak + ODC region vs FSDP2 on the e2e model (2 ranks; on one GPU they

@@ -13,9 +13,12 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _run(world, device_kind, ref_backend, tmp_path):
-    # One run_ranks per world size: the whole table on odc, then on the reference backend.
-    return world, run_ranks(world, run_table, device_kind, ref_backend, str(tmp_path),
-                            cuda=device_kind == "cuda", timeout=600)
+    # One run_ranks per world size: the whole table on odc, then on the reference backend. The
+    # CPU table runs in processes without CUDA (CPU ranks, also on a GPU machine), where
+    # dist.barrier(device_ids=...) is a CPU barrier.
+    cuda = device_kind == "cuda"
+    return world, run_ranks(world, run_table, device_kind, ref_backend, str(tmp_path), cuda=cuda,
+                            timeout=600, env=None if cuda else {"CUDA_VISIBLE_DEVICES": ""})
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")

@@ -16,7 +16,7 @@ nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2
 # ODC_BASELINE=<tar of an earlier tree> (e.g. `git archive <commit> csrc setup.py pyproject.toml
 # torch_odc CMakeLists.txt`): built beside this one, and the benchmarks run with it too, in the
 # same call (results under $OUT/baseline): a kernel change measured side by side with the code
-# before it.
+# before it. ODC_BASELINE_FOR=bench,step (default) names the benchmarks run with it.
 base=""
 if [[ -n ${ODC_BASELINE:-} ]]; then
   base=/tmp/odc_baseline; rm -rf "$base"; mkdir -p "$base" "$OUT/baseline"
@@ -42,7 +42,7 @@ if has bench; then
     (( n <= gpus || (n == 2 && gpus == 1) )) || continue
     timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -30 || rc=1
-    if [[ -n $base ]]; then
+    if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *bench* ]]; then
       with_base timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py \
         --out "$OUT/baseline" 2>&1 | tee "$OUT/baseline/bench_transport_${n}gpu.log" | tail -30 || rc=1
     fi
@@ -55,7 +55,7 @@ if has step; then
   # measured), then with 2+ GPUs one rank per GPU with FSDP2 over NCCL beside it.
   CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
     --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
-  if [[ -n $base ]]; then
+  if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *step* ]]; then
     CUDA_VISIBLE_DEVICES=0 with_base timeout 240 torchrun --nproc-per-node=2 \
       benchmarks/bench_step.py --out "$OUT/baseline" 2>&1 | grep -v -i warn \
       | tee "$OUT/baseline/bench_step_1gpu.log" | tail -30 || rc=1

@@ -40,11 +40,11 @@ if has bench; then
   for n in 2 4 8; do
     # With one GPU, 2 ranks share it (odc ops only: NCCL refuses two ranks on one GPU).
     (( n <= gpus || (n == 2 && gpus == 1) )) || continue
-    timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" \
+    timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" ${TRANSPORT_ARGS:-} \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -30 || rc=1
     if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *bench* ]]; then
       with_base timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py \
-        --out "$OUT/baseline" 2>&1 | tee "$OUT/baseline/bench_transport_${n}gpu.log" | tail -30 || rc=1
+        --out "$OUT/baseline" ${TRANSPORT_ARGS:-} 2>&1 | tee "$OUT/baseline/bench_transport_${n}gpu.log" | tail -30 || rc=1
     fi
   done
 fi

@@ -53,7 +53,8 @@ CHECKS = {  # the correctness checks shown next to each odc op
 }
 
 
-# The physical reference: a plain device-to-device copy kernel on this rank's GPU (torch's
+# The gathers are in place, as FSDP2 calls them (input = the output's own chunk), so they read
+# only the (world-1) peer chunks. The physical reference: a plain device-to-device copy kernel on this rank's GPU (torch's
 # vectorized elementwise kernel, y = x * 1 in fp32: reads and writes the bytes once, on the SMs
 # like odc's kernels), every rank at once, timed the same way in the same run, of the bytes an odc
 # op moves: for the gather, the (world-1) peer chunks it reads; for the push, the world chunks it
@@ -192,8 +193,12 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
     # The same small integers in bf16 (exact below 256): a bf16 push of the same elements.
     rs_in16, rs_out16 = rs_in.to(torch.bfloat16), rs_out.to(torch.bfloat16)
 
+    # Both gathers as FSDP2 calls them: the input is the output's own chunk (in place).
+    nccl_own = out_nccl.narrow(0, rank * n_g, n_g)
+    nccl_own.copy_(shard)
+
     def ag():
-        dist.all_gather_into_tensor(out_nccl, shard, group=nccl)
+        dist.all_gather_into_tensor(out_nccl, nccl_own, group=nccl)
 
     def rs():
         dist.reduce_scatter_tensor(rs_out, rs_in, op=dist.ReduceOp.SUM, group=nccl)
@@ -234,21 +239,26 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
         return times, checks, error, diag
     try:
         out_odc = torch.empty_like(out_nccl)
+        # As FSDP2 calls it: the input is the output's own chunk (copied in), so the gather
+        # reads only the peers' chunks.
+        own = out_odc.narrow(0, rank * n_g, n_g)
+        own.copy_(shard)
         odc.barrier()  # a fresh minibatch: the next gather of key k publishes
-        odc.gather(k, out_odc, shard)
+        odc.gather(k, out_odc, own)
         if nccl is not None:
             ag()
             checks["gather_publish_bitwise"] = torch.equal(
                 out_odc.view(torch.int16), out_nccl.view(torch.int16)
             )
         out_odc.zero_()
-        odc.gather(k, out_odc, shard)
+        own.copy_(shard)
+        odc.gather(k, out_odc, own)
         if nccl is not None:
             checks["gather_steady_bitwise"] = torch.equal(
                 out_odc.view(torch.int16), out_nccl.view(torch.int16)
             )
         times["odc_gather"] = time_op(
-            lambda: odc.gather(k, out_odc, shard), args.iters, args.warmup
+            lambda: odc.gather(k, out_odc, own), args.iters, args.warmup
         )
         # Publish + gather: the first gather of a minibatch, one barrier cycle per sample. As the
         # ranks leave the barrier (includes waiting for a peer that leaves it later) and with
@@ -261,7 +271,7 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
                 align_ranks()
             starts.append(time.monotonic_ns())
             t0 = time.perf_counter()
-            (aligned if i % 2 else pub).extend(time_op(lambda: odc.gather(k, out_odc, shard), 1, 0))
+            (aligned if i % 2 else pub).extend(time_op(lambda: odc.gather(k, out_odc, own), 1, 0))
             host.append(time.perf_counter() - t0)
         times["odc_publish_gather"], times["odc_publish_gather_aligned"] = pub, aligned
         # The same first gather of a minibatch once every rank's publish has completed on the
@@ -269,10 +279,10 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
         after = []
         for _ in range(args.publish_iters):
             odc.barrier()
-            odc.publish(k, shard)
+            odc.publish(k, own)
             torch.cuda.synchronize()
             align_ranks()
-            after += time_op(lambda: odc.gather(k, out_odc, shard), 1, 0)
+            after += time_op(lambda: odc.gather(k, out_odc, own), 1, 0)
         times["odc_gather_after_publish"] = after
         diag["publish_start_ns"] = starts
         diag["publish_call_ms"] = [1e3 * h for h in host]

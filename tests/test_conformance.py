@@ -454,24 +454,41 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
         torch_odc.minibatch_barrier()
         norms.append(torch.nn.utils.clip_grad_norm_(params, 1e9).item())  # after: works
         opt.step()
-        opt.zero_grad()
+        if mb < len(plan) - 1:
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation forward starts the next minibatch ...
+                model(seqs[0][:, :-1])
+            opt.zero_grad()  # ... where dropping .grad (all None) changes nothing
     full = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
-    handle.detach()
-    return errors, idle_none, norms, full
+    # The last minibatch's .grad is kept (no zero_grad()): an evaluation forward, then
+    # zero_grad() (torchtitan zeroes at the start of its next step), would drop a gradient
+    # ODC keeps in the accumulator: the next backward raises.
+    with torch.no_grad():
+        model(seqs[0][:, :-1])
+    opt.zero_grad()
+    try:
+        loss_of(model, seqs[0]).backward()
+        dropped = None
+    except RuntimeError as err:
+        dropped = str(err)
+    handle._attached = False  # leave the engine as it is; the group is torn down next
+    return errors, idle_none, norms, full, dropped
 
 
 def test_gradient_reads_before_the_barrier_raise_naming_it_and_work_after_it():
     """During a minibatch .grad holds a storage-less placeholder: clipping, grad norms and
     in-place zeroing raise, naming the barrier (no-sync microbatches included); a DCP save
     there works; a rank that ran no microbatch sees None. After the barrier the norms and the
-    trained parameters equal the float64 reference."""
+    trained parameters equal the float64 reference. zero_grad() after an evaluation forward
+    is harmless where nothing was kept, and raises where a kept gradient would be dropped."""
     cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]]}
     plan = [[3, 0], [1, 2]]
     with tempfile.TemporaryDirectory(prefix="odc-guard-") as tmp:
         results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, tmp)
     want_norms = []
     want = reference(cfg, plan, 2, norms=want_norms)
-    for rank, (errors, idle_none, norms, got) in enumerate(results):
+    for rank, (errors, idle_none, norms, got, dropped) in enumerate(results):
+        assert dropped is not None and "zero_grad()" in dropped, dropped
         assert len(errors) == 4 * sum(c[rank] for c in plan), errors
         print(f"rank {rank}: {errors[0][1]}")
         for what, err in errors:

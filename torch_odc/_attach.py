@@ -104,6 +104,14 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         self._handle._enter_minibatch()
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
+        if key.hsdp and _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+            raise RuntimeError(
+                f"torch_odc: {self._handle._where()}: FSDP2's per-microbatch all-reduce across "
+                f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
+                "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
+                "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
+                "Call set_requires_gradient_sync() before the forward."
+            )
         if _fsdp2.sets_grad_after_reduce_scatter(key.unit):
             # FSDP2 sets .grad of these parameters right after this call (it would add into a
             # placeholder); the hook it calls next puts the placeholder back.
@@ -144,6 +152,7 @@ class _Key:
         # _USER (another tensor, left in .grad) or a tensor (HSDP: a copy of the view).
         self.prior: list = [None] * len(unit.params)
         self._grad_hooks: list = []
+        self.hsdp = _fsdp2.replicate_group(unit) is not None
         # Parameters reduce-scattered since this rank entered the minibatch.
         self.reduced: set[int] = set()
         self._where = None  # set by attach: "rank r, minibatch m" for messages
@@ -155,6 +164,12 @@ class _Key:
     def before_forward(self) -> None:
         self.watch_grads()
         self.restore_placeholders()
+        if self.hsdp:
+            # set_requires_gradient_sync(True) (the last microbatch of no-sync accumulation)
+            # also turns FSDP2's per-microbatch all-reduce across replicas back on: replicas
+            # running different microbatch counts would hang in it. ODC all-reduces once, at
+            # the barrier.
+            self.unit.module.set_requires_all_reduce(False, recurse=False)
         # HSDP with FSDP2's all-reduce off: FSDP2 adds each backward's reduce-scatter output
         # (zeros under ODC) into a partial buffer, which torch 2.11 cannot do once the set of
         # parameters with a gradient changes between microbatches. Nothing in it is needed.

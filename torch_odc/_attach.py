@@ -273,8 +273,8 @@ class _Key:
                 return params
         names = [_param_name(self.unit, i) for i in candidates[0]]
         raise RuntimeError(
-            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements per "
-            f"rank, but the parameters that got a gradient since its last reduce-scatter "
+            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements "
+            f"per rank, but the parameters that got a gradient since its last reduce-scatter "
             f"({', '.join(names) or 'none'}) add up to "
             f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
             "(requires_grad changed) need a re-attach."

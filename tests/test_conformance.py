@@ -59,10 +59,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, lora=False, branch=False, tied=False):
+    def __init__(self, lora=False, branch=False, tied=False, norm=None):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(lora, branch) for _ in range(LAYERS))
+        # A final norm as in Llama-style models ("affine": weight and bias; "plain": none).
+        self.norm = nn.LayerNorm(DIM, elementwise_affine=norm == "affine") if norm else None
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.head.weight = self.emb.weight
@@ -75,12 +77,18 @@ class Net(nn.Module):
         x = self.emb(tokens)
         for block in self.blocks:
             x = block(x, use_branch)
+        if self.norm is not None:
+            x = self.norm(x)
         return self.head(x)
 
 
 def make_model(cfg) -> Net:
     torch.manual_seed(4321)
-    return Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False))
+    model = Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False),
+                cfg.get("norm"))
+    for name in cfg.get("freeze", ()):  # whole modules frozen (requires_grad=False)
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def samples(minibatch: int, count: int, seed: int = 11) -> list[torch.Tensor]:
@@ -98,9 +106,10 @@ def divide_factor(cfg, world) -> float:
     return cfg.get("divide_factor") or float(world)
 
 
-def reference(cfg, plan, world) -> dict:
+def reference(cfg, plan, world, norms: list | None = None) -> dict:
     """One process in float64: each minibatch's gradient is FSDP2's (the per-rank losses below
-    summed over ranks, divided by the divide factor)."""
+    summed over ranks, divided by the divide factor). Appends each minibatch's gradient norm to
+    `norms` if given."""
     model = make_model(cfg).double()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     scale = world / divide_factor(cfg, world)
@@ -113,6 +122,9 @@ def reference(cfg, plan, world) -> dict:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
+        if norms is not None:
+            norms.append(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]).item())
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -145,8 +157,14 @@ def sharded(cfg, world):
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cfg["mp"][0],
                                                    reduce_dtype=cfg["mp"][1])
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
+    # cfg["units"]: lists of module names sharded together by one fully_shard call (one FSDP
+    # unit spanning several modules); the blocks not named there get a unit each.
+    grouped = {name for unit in cfg.get("units", ()) for name in unit}
+    for i, block in enumerate(model.blocks):
+        if f"blocks.{i}" not in grouped:
+            fully_shard(block, **kwargs)
+    for unit in cfg.get("units", ()):
+        fully_shard([model.get_submodule(name) for name in unit], **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
         if cfg.get("divide_factor") and hasattr(module, "set_gradient_divide_factor"):
@@ -234,6 +252,23 @@ CASES = {
     "zero-grad-in-place": ({"zero_grad": "inplace", "branch": True}, 2, 2e-5),
     "grads-kept-across-steps": ({"zero_grad": "keep", "branch": True}, 2, 2e-5),
     "grads-kept-across-steps-clip-w4": ({"zero_grad": "keep", "clip": 0.05}, 4, 2e-5),
+    # FSDP units spanning several modules (one fully_shard call over a list): one key each.
+    # torchtitan's [norm, output] and PyTorch's [layers[i], layers[i+1]]; accelerate's
+    # [norm, lm_head] with reshard_after_forward=False; PyTorch's tied [tok_embeddings, output];
+    # units without a trainable parameter (all frozen; no parameters at all).
+    "unit-norm-head-and-block-pair-w4": ({"norm": "affine", "branch": True,
+                                          "units": [["norm", "head"], ["blocks.0", "blocks.1"]]},
+                                         4, 2e-5),
+    "unit-norm-head-no-reshard": ({"norm": "affine", "units": [["norm", "head"]],
+                                   "reshard_after_forward": False}, 2, 2e-5),
+    "unit-norm-head-no-reshard-bf16-w4": ({"norm": "affine", "units": [["norm", "head"]],
+                                           "reshard_after_forward": False, "mp": (BF16, FP32)},
+                                          4, REL16),
+    "unit-tied-emb-head": ({"tied": True, "units": [["emb", "head"]]}, 2, 2e-5),
+    "unit-tied-emb-head-bf16-w4": ({"tied": True, "units": [["emb", "head"]],
+                                    "mp": (BF16, FP32)}, 4, REL16),
+    "unit-without-trainable-params": ({"norm": "plain", "freeze": ["blocks.1", "head"],
+                                       "units": [["norm"], ["blocks.1", "head"]]}, 2, 2e-5),
 }
 
 
@@ -259,7 +294,9 @@ def test_odc_equals_reference(name):
 
 GPU_CASES = ["fp32-w2", "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
              "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
-             "grads-kept-across-steps"]
+             "grads-kept-across-steps", "unit-norm-head-and-block-pair-w4",
+             "unit-norm-head-no-reshard-bf16-w4", "unit-tied-emb-head",
+             "unit-without-trainable-params"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -297,8 +334,10 @@ def test_reduce_scatter_unused_params_sets_zero_gradients_like_fsdp2():
 
 
 def test_dcp_checkpoint_and_reattach_mid_training():
+    """Also with a unit of two modules (one key across the detach and the re-attach)."""
     with tempfile.TemporaryDirectory(prefix="odc-dcp-") as tmp:
-        _two_ranks_equal_the_reference({"dcp": tmp, "branch": True})
+        _two_ranks_equal_the_reference({"dcp": tmp, "branch": True, "norm": "affine",
+                                        "units": [["norm", "head"]]})
 
 
 def _two_ranks_equal_the_reference(cfg):
@@ -364,6 +403,139 @@ def test_16bit_reduction_over_many_microbatches_is_no_less_precise_than_fsdp2(mp
     print(f"relative gradient error, {count} microbatches per rank: ODC {odc:.2e}, "
           f"FSDP2 {fsdp2:.2e}")
     assert odc <= fsdp2 * 1.05 + 1e-7, (odc, fsdp2)
+
+
+# ---- gradients read before the barrier -------------------------------------------------------
+
+
+def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
+    """Trains `plan` with no-sync microbatches; after every microbatch tries the gradient reads
+    trainers make before their optimizer step, and between the last microbatch and the barrier
+    saves a DCP checkpoint where every rank ran microbatches. Returns what each read raised,
+    whether a rank without microbatches saw .grad None, per barrier the clipped norm (CPU) and
+    this rank's sum of squared gradient shards, the parameters (on GPUs this rank's shards:
+    the collectives of clipping, DCP and full_tensor need NCCL, which refuses 2 ranks on one
+    GPU) and what a backward raised after zero_grad() dropped a kept gradient."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import torch_odc
+
+    cuda = cfg.get("device") == "cuda"
+    model = sharded(cfg, world)
+    device = next(model.parameters()).device
+    handle = torch_odc.attach(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    reads = {
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0),
+        "grad.norm()": lambda: [p.grad.norm() for p in params if p.grad is not None],
+        "get_total_norm": lambda: torch.nn.utils.get_total_norm(
+            [p.grad for p in params if p.grad is not None]),
+        "zero_grad(set_to_none=False)": lambda: opt.zero_grad(set_to_none=False),
+    }
+    errors, idle_none, norms = [], [], []
+    for mb, counts in enumerate(plan):
+        seqs = [s.to(device) for s in samples(mb, sum(counts))]
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        start = sum(counts[:rank])
+        mine = seqs[start:start + counts[rank]]
+        for i, seq in enumerate(mine):
+            model.set_requires_gradient_sync(i == len(mine) - 1)
+            (loss_of(model, seq) * world / tokens).backward()
+            for what, read in reads.items():
+                try:
+                    read()
+                    errors.append((what, None))
+                except RuntimeError as err:
+                    errors.append((what, str(err)))
+        if not mine:
+            idle_none.append(all(p.grad is None for p in params))
+        if all(counts) and not cuda:  # a collective: only where no rank is idle (an idle
+            # rank publishes its shards at the barrier; its peers' forwards wait for them)
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+            dcp.save(state, checkpoint_id=os.path.join(ckpt, f"mb{mb}"))
+        torch_odc.minibatch_barrier()
+        squares = sum(p.grad.to_local().double().pow(2).sum().item()
+                      for p in params if p.grad is not None)
+        clipped = None if cuda else torch.nn.utils.clip_grad_norm_(params, 1e9).item()
+        norms.append((clipped, squares))
+        opt.step()
+        if mb < len(plan) - 1:
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation forward starts the next minibatch ...
+                model(seqs[0][:, :-1])
+            opt.zero_grad()  # ... where dropping .grad (all None) changes nothing
+    if cuda:
+        params_out = {k: v.to_local().detach().float().cpu() for k, v in model.state_dict().items()}
+    else:
+        params_out = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
+    # The last minibatch's .grad is kept (no zero_grad()): an evaluation forward, then
+    # zero_grad() (torchtitan zeroes at the start of its next step), would drop a gradient
+    # ODC keeps in the accumulator: the next backward raises.
+    with torch.no_grad():
+        model(seqs[0][:, :-1])
+    opt.zero_grad()
+    try:
+        loss_of(model, seqs[0]).backward()
+        dropped = None
+    except RuntimeError as err:
+        dropped = str(err)
+    handle._attached = False  # leave the engine as it is; the group is torn down next
+    return errors, idle_none, norms, params_out, dropped
+
+
+def _check_grad_reads(results, cfg, plan):
+    want_norms = []
+    want = reference(cfg, plan, 2, norms=want_norms)
+    for rank, (errors, idle_none, norms, _, dropped) in enumerate(results):
+        print(f"rank {rank}: {errors[0][1]}")
+        assert dropped is not None and "zero_grad()" in dropped, dropped
+        assert len(errors) == 4 * sum(c[rank] for c in plan), errors
+        for what, err in errors:
+            assert err is not None, f"rank {rank}: {what} before the barrier did not raise"
+            assert "torch_odc.minibatch_barrier()" in err and f"rank {rank}, minibatch" in err, err
+        assert idle_none == [True] * sum(c[rank] == 0 for c in plan), idle_none
+        clipped = [c for c, _ in norms]
+        if clipped[0] is not None:
+            torch.testing.assert_close(torch.tensor(clipped), torch.tensor(want_norms),
+                                       rtol=1e-5, atol=0)
+    summed = [sum(r[2][mb][1] for r in results) ** 0.5 for mb in range(len(plan))]
+    torch.testing.assert_close(torch.tensor(summed), torch.tensor(want_norms), rtol=1e-5, atol=0)
+    return want
+
+
+def test_gradient_reads_before_the_barrier_raise_naming_it_and_work_after_it():
+    """During a minibatch .grad holds a storage-less placeholder: clipping, grad norms and
+    in-place zeroing raise, naming the barrier (no-sync microbatches included); a DCP save
+    there works; a rank that ran no microbatch sees None. After the barrier the norms and the
+    trained parameters equal the float64 reference. zero_grad() after an evaluation forward
+    is harmless where nothing was kept, and raises where a kept gradient would be dropped."""
+    cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]]}
+    plan = [[3, 0], [1, 2]]
+    with tempfile.TemporaryDirectory(prefix="odc-guard-") as tmp:
+        results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, tmp)
+    want = _check_grad_reads(results, cfg, plan)
+    for _, _, _, got, _ in results:
+        for key, ref in want.items():
+            torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gradient_reads_before_the_barrier_raise():
+    """The same on GPUs (CUDA IPC transport, 2 ranks; on one GPU they share it): without the
+    CPU case's clipping and DCP save after the barrier (collectives NCCL runs)."""
+    import torch_odc
+
+    if not torch_odc._C._has_cuda_transport():
+        pytest.skip("this build has no CUDA transport")
+    cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]], "device": "cuda"}
+    plan = [[3, 0], [1, 2]]
+    results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, "", cuda=True)
+    want = _check_grad_reads(results, cfg, plan)
+    got = {k: torch.cat([r[3][k] for r in results]) for k in results[0][3]}
+    for key, ref in want.items():
+        torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
 
 
 # ---- options that on-demand mode refuses at attach, and misuse -------------------------------

@@ -30,6 +30,51 @@ _handles: list[Handle] = []
 _REPLICA_BUCKET_BYTES = 256 << 20
 
 
+class _NoGradBeforeBarrier(torch.Tensor):
+    """What a sharded parameter's ``.grad`` holds from this rank's first microbatch of a
+    minibatch to its barrier: a tensor with the gradient's size, stride, dtype and device but no
+    storage (no memory), whose every op raises an error naming the barrier. Under ODC the
+    gradient exists only at the barrier (pushed into the owners' accumulators until then); a
+    None there would let ``clip_grad_norm_`` or a grad-norm log silently see no gradient (HF
+    Trainer clips before any callback). ``.grad is None`` checks, assigning ``.grad`` and
+    reading its metadata still work."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, size, stride, dtype, device, param: str, where):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False)
+        self._param, self._where = param, where
+        return self
+
+    def _message(self, what: str) -> str:
+        return (
+            f"torch_odc: {self._where()}: the gradient of {self._param} was used ({what}) "
+            "between this rank's first microbatch of the minibatch and "
+            "torch_odc.minibatch_barrier(). Under on-demand communication gradients are reduced "
+            "at the barrier; until then .grad holds none. Call torch_odc.minibatch_barrier() on "
+            "every rank after the minibatch's last backward, then read, clip or log gradients "
+            "(clip_grad_norm_, grad norms), then optimizer.step()."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        placeholder = next(t for t in tree_leaves((args, kwargs or {})) if isinstance(t, cls))
+        if "zero_" in str(func):  # zero_grad(set_to_none=False)
+            raise RuntimeError(_dropped_message(placeholder._where(), [placeholder._param]))
+        raise RuntimeError(placeholder._message(str(func)))
+
+    def __repr__(self) -> str:
+        return f"<no gradient before torch_odc.minibatch_barrier(): {self._param}>"
+
+
+def _is_placeholder(grad) -> bool:
+    return grad is not None and isinstance(_fsdp2.local_tensor(grad), _NoGradBeforeBarrier)
+
+
 class _KeyedAllGather(_fsdp2.AllGather):
     def __init__(self, handle: Handle, key: int):
         self._handle, self._key = handle, key
@@ -59,6 +104,18 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         self._handle._enter_minibatch()
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
+        if key.hsdp and _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+            raise RuntimeError(
+                f"torch_odc: {self._handle._where()}: FSDP2's per-microbatch all-reduce across "
+                f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
+                "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
+                "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
+                "Call set_requires_gradient_sync() before the forward."
+            )
+        if _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+            # FSDP2 sets .grad of these parameters right after this call (it would add into a
+            # placeholder); the hook it calls next puts the placeholder back.
+            key.take_placeholders(params)
         # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
         # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
         scale = _fsdp2.push_scale(key.unit, input_tensor.dtype)
@@ -95,6 +152,10 @@ class _Key:
         # _USER (another tensor, left in .grad) or a tensor (HSDP: a copy of the view).
         self.prior: list = [None] * len(unit.params)
         self._grad_hooks: list = []
+        self.hsdp = _fsdp2.replicate_group(unit) is not None
+        # Parameters reduce-scattered since this rank entered the minibatch.
+        self.reduced: set[int] = set()
+        self._where = None  # set by attach: "rank r, minibatch m" for messages
 
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
@@ -102,6 +163,13 @@ class _Key:
 
     def before_forward(self) -> None:
         self.watch_grads()
+        self.restore_placeholders()
+        if self.hsdp:
+            # set_requires_gradient_sync(True) (the last microbatch of no-sync accumulation)
+            # also turns FSDP2's per-microbatch all-reduce across replicas back on: replicas
+            # running different microbatch counts would hang in it. ODC all-reduces once, at
+            # the barrier.
+            self.unit.module.set_requires_all_reduce(False, recurse=False)
         # HSDP with FSDP2's all-reduce off: FSDP2 adds each backward's reduce-scatter output
         # (zeros under ODC) into a partial buffer, which torch 2.11 cannot do once the set of
         # parameters with a gradient changes between microbatches. Nothing in it is needed.
@@ -145,7 +213,46 @@ class _Key:
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
         if self.prior[index] is not _USER:
-            param.grad = None
+            self.place_placeholder(index)
+
+    def place_placeholder(self, index: int) -> None:
+        """Puts the no-memory placeholder in parameter `index`'s ``.grad`` (see
+        :class:`_NoGradBeforeBarrier`)."""
+        size, stride, dtype, device = _fsdp2.grad_meta(self.unit.params[index])
+        _fsdp2.set_grad(self.unit.params[index], _NoGradBeforeBarrier(
+            size, stride, dtype, device, _param_name(self.unit, index), self._where))
+
+    def restore_placeholders(self) -> None:
+        """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
+        kept from the last minibatch, none pushed in this one (e.g. zero_grad() after an
+        evaluation forward that started the minibatch)."""
+        for index, fp in enumerate(self.unit.params):
+            if (self.grad_numels[index] and self.prior[index] is None
+                    and index not in self.reduced and _fsdp2.sharded_param(fp).grad is None):
+                self.place_placeholder(index)
+
+    def dropped_grads(self) -> list[str]:
+        """Parameters whose placeholder was replaced by None (``zero_grad()``) after this rank
+        entered the minibatch, where that drops a gradient ODC cannot drop: one carried from
+        the last minibatch (kept in the accumulator span), or one already pushed in this
+        minibatch. Dropping before anything was carried or pushed changes nothing."""
+        return [_param_name(self.unit, i) for i, fp in enumerate(self.unit.params)
+                if self.grad_numels[i] and self.prior[i] is not _USER
+                and _fsdp2.sharded_param(fp).grad is None
+                and (self.prior[i] is not None or i in self.reduced)]
+
+    def take_placeholders(self, params: list[int]) -> None:
+        """Before FSDP2 sets the .grad of `params` after their reduce-scatter: removes their
+        placeholders, raising first where the user dropped a gradient ODC cannot drop."""
+        dropped = [n for n in self.dropped_grads() if n in
+                   {_param_name(self.unit, i) for i in params}]
+        if dropped:
+            raise RuntimeError(_dropped_message(self._where(), dropped))
+        for index in params:
+            self.reduced.add(index)
+            if self.prior[index] is not _USER and _is_placeholder(
+                    _fsdp2.sharded_param(self.unit.params[index]).grad):
+                _fsdp2.set_grad(self.unit.params[index], None)
 
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
@@ -166,8 +273,8 @@ class _Key:
                 return params
         names = [_param_name(self.unit, i) for i in candidates[0]]
         raise RuntimeError(
-            f"torch_odc: reduce-scatter of module '{self.name}' covers {chunk_numel} elements per "
-            f"rank, but the parameters that got a gradient since its last reduce-scatter "
+            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements "
+            f"per rank, but the parameters that got a gradient since its last reduce-scatter "
             f"({', '.join(names) or 'none'}) add up to "
             f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
             "(requires_grad changed) need a re-attach."
@@ -178,8 +285,7 @@ class _Key:
 
 
 def _param_name(unit: _fsdp2.Unit, index: int) -> str:
-    name = _fsdp2.param_name(unit.params[index])
-    return f"{unit.name}.{name}" if name else f"{unit.name}[{index}]"
+    return unit.param_names[index]
 
 
 class Handle:
@@ -254,11 +360,12 @@ class Handle:
         releasing = b._arrived  # False only before the first minibatch after attach
         carried = False
         for key in self._keys:
+            key.reduced.clear()
             for index, fp in enumerate(key.unit.params):
                 if key.grad_numels[index] == 0:
                     continue
                 grad = _fsdp2.sharded_grad(fp)
-                if grad is None:
+                if grad is None or isinstance(grad, _NoGradBeforeBarrier):
                     key.prior[index] = None
                 elif releasing and _same_view(grad, key.span(index)):
                     # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
@@ -268,7 +375,8 @@ class Handle:
                 else:
                     key.prior[index] = _USER
                 if key.prior[index] is not _USER:
-                    _fsdp2.set_grad(fp, None)  # FSDP2 must not add into the accumulator
+                    # FSDP2 must not add into the accumulator; reads raise until the barrier.
+                    key.place_placeholder(index)
         if not releasing:
             return  # fresh accumulators: zero since connect
         with self._release_stream():
@@ -312,6 +420,9 @@ class Handle:
 
     def _check_barrier(self) -> None:
         """Raises, before anything changes, on a barrier that would silently train wrong."""
+        dropped = [n for k in self._keys for n in k.dropped_grads()] if self._entered else []
+        if dropped:
+            raise RuntimeError(_dropped_message(self._where(), dropped))
         pending = [n for k in self._keys for n in k.pending_grads()]
         if pending:
             raise RuntimeError(
@@ -321,7 +432,7 @@ class Handle:
                 "microbatch?). Enable gradient sync for the last backward of every minibatch."
             )
         if self._barrier_done and not self._stepped and any(
-                p.grad is not None for p in self._params):
+                p.grad is not None and not _is_placeholder(p.grad) for p in self._params):
             raise RuntimeError(
                 f"torch_odc: {self._where()}: a second minibatch_barrier() without "
                 "optimizer.step() since the last one would add this minibatch's gradients onto "
@@ -410,7 +521,9 @@ class Handle:
             # .grad views of the accumulators outlive the region as copies.
             for index, fp in enumerate(key.unit.params):
                 grad = _fsdp2.sharded_grad(fp)
-                if key.grad_numels[index] and grad is not None and _same_view(
+                if isinstance(grad, _NoGradBeforeBarrier):
+                    _fsdp2.set_grad(fp, None)
+                elif key.grad_numels[index] and grad is not None and _same_view(
                         grad, key.span(index)):
                     _fsdp2.set_grad(fp, grad.clone())
             key.accumulator = None
@@ -425,6 +538,17 @@ class Handle:
 
 
 _CARRY, _USER = "carry", "user"
+
+
+def _dropped_message(where: str, names: list[str]) -> str:
+    return (
+        f"torch_odc: {where}: zero_grad() on {', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''} between this rank's first forward of the "
+        "minibatch and torch_odc.minibatch_barrier(): under on-demand communication gradients "
+        "cannot be dropped then (each backward pushed them to their owners; a gradient kept "
+        "from the last minibatch stays in the accumulator). Call optimizer.zero_grad() after "
+        "optimizer.step() and before the next forward (evaluation forwards included)."
+    )
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -509,6 +633,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     backend._connect_engine([k.spec() for k in entries],
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
+        key._where = handle._where
         key.accumulator = backend._accumulator(index)
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
@@ -516,9 +641,11 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         key.unit.module.set_custom_all_gather(_KeyedAllGather(handle, index))
         key.unit.module.set_custom_reduce_scatter(_KeyedReduceScatter(handle, index))
         # After FSDP2's own pre-forward (registered with prepend=True), which creates the
-        # unsharded parameters at the module's first all-gather.
-        handle._hooks.append(
-            key.unit.module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
+        # unsharded parameters at the unit's first all-gather. A unit of several modules runs
+        # FSDP2's pre-forward at whichever of them runs first: each gets the hook.
+        for module in key.unit.modules:
+            handle._hooks.append(
+                module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)

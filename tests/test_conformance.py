@@ -59,10 +59,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, lora=False, branch=False, tied=False):
+    def __init__(self, lora=False, branch=False, tied=False, norm=None):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(lora, branch) for _ in range(LAYERS))
+        # A final norm as in Llama-style models ("affine": weight and bias; "plain": none).
+        self.norm = nn.LayerNorm(DIM, elementwise_affine=norm == "affine") if norm else None
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.head.weight = self.emb.weight
@@ -75,12 +77,18 @@ class Net(nn.Module):
         x = self.emb(tokens)
         for block in self.blocks:
             x = block(x, use_branch)
+        if self.norm is not None:
+            x = self.norm(x)
         return self.head(x)
 
 
 def make_model(cfg) -> Net:
     torch.manual_seed(4321)
-    return Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False))
+    model = Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False),
+                cfg.get("norm"))
+    for name in cfg.get("freeze", ()):  # whole modules frozen (requires_grad=False)
+        model.get_submodule(name).requires_grad_(False)
+    return model
 
 
 def samples(minibatch: int, count: int, seed: int = 11) -> list[torch.Tensor]:
@@ -145,8 +153,14 @@ def sharded(cfg, world):
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cfg["mp"][0],
                                                    reduce_dtype=cfg["mp"][1])
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
+    # cfg["units"]: lists of module names sharded together by one fully_shard call (one FSDP
+    # unit spanning several modules); the blocks not named there get a unit each.
+    grouped = {name for unit in cfg.get("units", ()) for name in unit}
+    for i, block in enumerate(model.blocks):
+        if f"blocks.{i}" not in grouped:
+            fully_shard(block, **kwargs)
+    for unit in cfg.get("units", ()):
+        fully_shard([model.get_submodule(name) for name in unit], **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
         if cfg.get("divide_factor") and hasattr(module, "set_gradient_divide_factor"):
@@ -234,6 +248,23 @@ CASES = {
     "zero-grad-in-place": ({"zero_grad": "inplace", "branch": True}, 2, 2e-5),
     "grads-kept-across-steps": ({"zero_grad": "keep", "branch": True}, 2, 2e-5),
     "grads-kept-across-steps-clip-w4": ({"zero_grad": "keep", "clip": 0.05}, 4, 2e-5),
+    # FSDP units spanning several modules (one fully_shard call over a list): one key each.
+    # torchtitan's [norm, output] and PyTorch's [layers[i], layers[i+1]]; accelerate's
+    # [norm, lm_head] with reshard_after_forward=False; PyTorch's tied [tok_embeddings, output];
+    # units without a trainable parameter (all frozen; no parameters at all).
+    "unit-norm-head-and-block-pair-w4": ({"norm": "affine", "branch": True,
+                                          "units": [["norm", "head"], ["blocks.0", "blocks.1"]]},
+                                         4, 2e-5),
+    "unit-norm-head-no-reshard": ({"norm": "affine", "units": [["norm", "head"]],
+                                   "reshard_after_forward": False}, 2, 2e-5),
+    "unit-norm-head-no-reshard-bf16-w4": ({"norm": "affine", "units": [["norm", "head"]],
+                                           "reshard_after_forward": False, "mp": (BF16, FP32)},
+                                          4, REL16),
+    "unit-tied-emb-head": ({"tied": True, "units": [["emb", "head"]]}, 2, 2e-5),
+    "unit-tied-emb-head-bf16-w4": ({"tied": True, "units": [["emb", "head"]],
+                                    "mp": (BF16, FP32)}, 4, REL16),
+    "unit-without-trainable-params": ({"norm": "plain", "freeze": ["blocks.1", "head"],
+                                       "units": [["norm"], ["blocks.1", "head"]]}, 2, 2e-5),
 }
 
 
@@ -259,7 +290,9 @@ def test_odc_equals_reference(name):
 
 GPU_CASES = ["fp32-w2", "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
              "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
-             "grads-kept-across-steps"]
+             "grads-kept-across-steps", "unit-norm-head-and-block-pair-w4",
+             "unit-norm-head-no-reshard-bf16-w4", "unit-tied-emb-head",
+             "unit-without-trainable-params"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -166,7 +166,7 @@ class _Key:
                 return params
         names = [_param_name(self.unit, i) for i in candidates[0]]
         raise RuntimeError(
-            f"torch_odc: reduce-scatter of module '{self.name}' covers {chunk_numel} elements per "
+            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements per "
             f"rank, but the parameters that got a gradient since its last reduce-scatter "
             f"({', '.join(names) or 'none'}) add up to "
             f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
@@ -178,8 +178,7 @@ class _Key:
 
 
 def _param_name(unit: _fsdp2.Unit, index: int) -> str:
-    name = _fsdp2.param_name(unit.params[index])
-    return f"{unit.name}.{name}" if name else f"{unit.name}[{index}]"
+    return unit.param_names[index]
 
 
 class Handle:
@@ -516,9 +515,11 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         key.unit.module.set_custom_all_gather(_KeyedAllGather(handle, index))
         key.unit.module.set_custom_reduce_scatter(_KeyedReduceScatter(handle, index))
         # After FSDP2's own pre-forward (registered with prepend=True), which creates the
-        # unsharded parameters at the module's first all-gather.
-        handle._hooks.append(
-            key.unit.module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
+        # unsharded parameters at the unit's first all-gather. A unit of several modules runs
+        # FSDP2's pre-forward at whichever of them runs first: each gets the hook.
+        for module in key.unit.modules:
+            handle._hooks.append(
+                module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)

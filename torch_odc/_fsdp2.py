@@ -11,7 +11,8 @@ What is read, and how it differs between 2.11 and 2.15:
 * a module's state: ``FSDPModule._get_fsdp_state()`` (both);
 * a module's param group: ``FSDPState._fsdp_param_group`` (2.11) vs the list
   ``FSDPState._fsdp_param_groups`` (2.15; several groups only with per-parameter meshes from
-  ``shard_placement_fn``, which we refuse);
+  ``shard_placement_fn``, which we refuse). ``fully_shard([a, b])`` gives every module of the
+  list the same state, hence the same group: a unit is a group, found once per module;
 * per parameter (``FSDPParam``): ``sharded_param``, ``padded_sharded_param_size``,
   ``sharded_size``, ``contiguous_sharded_stride``, ``to_sharded_dtensor``, ``orig_dtype``,
   ``param_dtype``, ``fsdp_placement``, ``offload_to_cpu``, ``_unsharded_param``: the same in both;
@@ -40,7 +41,8 @@ What is read, and how it differs between 2.11 and 2.15:
   the barrier;
 * the comm objects in place before attach: ``_all_gather_comm`` / ``_reduce_scatter_comm``, and
   the comm base classes ``_fsdp_api.AllGather`` / ``ReduceScatter``;
-* a parameter's name in its module: ``FSDPParam._module_info.param_name`` (for messages only);
+* a parameter's module and name in it: ``FSDPParam._module_info.module`` / ``.param_name`` (for
+  messages only);
 * the sharded gradient: FSDP2's post-reduce (both versions) sets ``sharded_param.grad`` to a
   view of the reduce-scatter output when it is None, adds into it otherwise, then calls the
   sharded parameter's post-accumulate-grad hooks (public ``register_post_accumulate_grad_hook``;
@@ -49,7 +51,7 @@ What is read, and how it differs between 2.11 and 2.15:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -61,12 +63,22 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 @dataclass
 class Unit:
-    """One FSDP2 module with parameters of its own: one key of the engine."""
+    """One FSDP unit (an ``FSDPParamGroup``: the parameters of one ``fully_shard`` call, which
+    may span several modules, e.g. ``fully_shard([model.norm, model.output])``): one key of the
+    engine. ``name`` joins the modules' names with "+"."""
 
     name: str
-    module: FSDPModule
+    modules: list  # FSDPModule, in named_modules order; all share one FSDP state and group
     group: object  # FSDPParamGroup
     params: list  # FSDPParam, in the group's order
+    param_names: list = field(default_factory=list)  # qualified names, for messages
+
+    @property
+    def module(self) -> FSDPModule:
+        """The module to call the unit's per-group FSDP2 methods on (``set_custom_*``,
+        ``set_requires_all_reduce(recurse=False)``, ``unshard``/``reshard``): FSDP2 keeps one
+        state for every module of a ``fully_shard`` call, so any of them acts on the group."""
+        return self.modules[0]
 
 
 class Unsupported(NotImplementedError):
@@ -87,9 +99,10 @@ def _param_group(module: FSDPModule):
 
 
 def units(model: torch.nn.Module) -> list[Unit]:
-    """Every FSDP2 module of `model` that owns parameters, in `named_modules` order (the same
-    on every rank for the same model). Raises `Unsupported` naming the module."""
-    out = []
+    """Every FSDP unit of `model` that owns parameters, one per ``FSDPParamGroup`` however many
+    modules its ``fully_shard`` call spans, in `named_modules` order of their first module (the
+    same on every rank for the same model). Raises `Unsupported` naming the module."""
+    out: dict[int, Unit] = {}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -98,9 +111,23 @@ def units(model: torch.nn.Module) -> list[Unit]:
             group = _param_group(module)
         except Unsupported as e:
             raise Unsupported(f"module '{name}': {e}") from None
-        if group is not None:  # a module that owns no parameters never communicates
-            out.append(Unit(name, module, group, list(group.fsdp_params)))
-    return out
+        if group is None:  # a unit that owns no parameters never communicates
+            continue
+        unit = out.get(id(group))
+        if unit is None:
+            out[id(group)] = Unit(name, [module], group, list(group.fsdp_params))
+        else:  # another module of the same fully_shard call
+            unit.modules.append(module)
+            unit.name = f"{unit.name}+{name}"
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in out.values():
+        for index, fp in enumerate(unit.params):
+            info = getattr(fp, "_module_info", None)
+            owner = names.get(id(getattr(info, "module", None)))
+            attr = getattr(info, "param_name", None)
+            unit.param_names.append(f"{owner}.{attr}" if owner is not None and attr
+                                    else f"{unit.name}[{index}]")
+    return list(out.values())
 
 
 def unsupported_reason(unit: Unit) -> str | None:
@@ -209,11 +236,6 @@ def add_grad(fp, grad: torch.Tensor) -> None:
         param.grad = fp.to_sharded_dtensor(grad)
     else:
         param.grad._local_tensor += grad
-
-
-def param_name(fp) -> str | None:
-    """The parameter's attribute name in its module (for messages), if FSDP2 records it."""
-    return getattr(getattr(fp, "_module_info", None), "param_name", None)
 
 
 def unsharded_param(fp):

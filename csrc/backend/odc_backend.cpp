@@ -68,6 +68,11 @@ OdcBackend::BackendPtr OdcBackend::inner(c10::DeviceType device) {
   return cuda_;
 }
 
+bool OdcBackend::hasCuda() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_ || cuda_factory_;
+}
+
 OdcBackend::BackendPtr OdcBackend::route(c10::DeviceType device) {
   auto backend = inner(device);
   switch (coalescing_) {
@@ -318,10 +323,18 @@ WorkPtr OdcBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
 }
 
 WorkPtr OdcBackend::barrier(const c10d::BarrierOptions& opts) {
-  // A barrier on an explicit CUDA device (dist.barrier(device_ids=...)) goes through NCCL so it
-  // also orders the device streams, as with backend="nccl"; every other barrier uses Gloo.
-  const bool on_cuda =
-      (opts.device.has_value() && opts.device->is_cuda()) || !opts.device_ids.empty();
+  // torch's c10d::barrier op hands a backend the device_ids but not the device it dispatched
+  // on. dist.barrier(device_ids=[i]) puts the barrier on the process's accelerator
+  // (torch._C._get_accelerator()): in a process with CUDA it goes through NCCL, so it also orders
+  // the device streams as with backend="nccl"; in a process without CUDA it is a CPU barrier and
+  // goes through Gloo, which ignores device_ids as backend="gloo" does. An explicit device (a
+  // direct Backend.barrier call) decides by itself; every other barrier uses Gloo.
+  bool on_cuda = false;
+  if (opts.device.has_value()) {
+    on_cuda = opts.device->is_cuda();
+  } else if (!opts.device_ids.empty()) {
+    on_cuda = hasCuda();
+  }
   return forward(on_cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU,
                  [&](c10d::Backend& b) { return b.barrier(opts); });
 }

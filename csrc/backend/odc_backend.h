@@ -37,6 +37,8 @@ class OdcBackend : public c10d::Backend {
   // The inner CUDA backend if it was created, else null (never creates it).
   BackendPtr cudaBackendIfCreated();
   BackendPtr cpuBackend() const { return cpu_; }
+  // Whether this process can run CUDA collectives (an inner NCCL backend exists or can be made).
+  bool hasCuda() const;
 
   // Plain collectives, forwarded by device.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

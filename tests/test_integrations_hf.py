@@ -101,7 +101,7 @@ def common_args(odc: bool) -> dict:
             "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
             "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
             "use_cpu": True, "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "dataloader_num_workers": 0,
+            "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
             "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD}
     if odc:
         args.update(fsdp="full_shard", fsdp_config={"version": 2})

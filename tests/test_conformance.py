@@ -106,9 +106,10 @@ def divide_factor(cfg, world) -> float:
     return cfg.get("divide_factor") or float(world)
 
 
-def reference(cfg, plan, world) -> dict:
+def reference(cfg, plan, world, norms: list | None = None) -> dict:
     """One process in float64: each minibatch's gradient is FSDP2's (the per-rank losses below
-    summed over ranks, divided by the divide factor)."""
+    summed over ranks, divided by the divide factor). Appends each minibatch's gradient norm to
+    `norms` if given."""
     model = make_model(cfg).double()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     scale = world / divide_factor(cfg, world)
@@ -121,6 +122,9 @@ def reference(cfg, plan, world) -> dict:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
+        if norms is not None:
+            norms.append(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]).item())
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -330,8 +334,10 @@ def test_reduce_scatter_unused_params_sets_zero_gradients_like_fsdp2():
 
 
 def test_dcp_checkpoint_and_reattach_mid_training():
+    """Also with a unit of two modules (one key across the detach and the re-attach)."""
     with tempfile.TemporaryDirectory(prefix="odc-dcp-") as tmp:
-        _two_ranks_equal_the_reference({"dcp": tmp, "branch": True})
+        _two_ranks_equal_the_reference({"dcp": tmp, "branch": True, "norm": "affine",
+                                        "units": [["norm", "head"]]})
 
 
 def _two_ranks_equal_the_reference(cfg):
@@ -397,6 +403,85 @@ def test_16bit_reduction_over_many_microbatches_is_no_less_precise_than_fsdp2(mp
     print(f"relative gradient error, {count} microbatches per rank: ODC {odc:.2e}, "
           f"FSDP2 {fsdp2:.2e}")
     assert odc <= fsdp2 * 1.05 + 1e-7, (odc, fsdp2)
+
+
+# ---- gradients read before the barrier -------------------------------------------------------
+
+
+def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
+    """Trains `plan` with no-sync microbatches; after every microbatch tries the gradient reads
+    trainers make before their optimizer step, and between the last microbatch and the barrier
+    saves a DCP checkpoint where every rank ran microbatches. Returns what each read raised, whether a
+    rank without microbatches saw .grad None, the gradient norms after each barrier and the
+    final parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import torch_odc
+
+    model = sharded(cfg, world)
+    handle = torch_odc.attach(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    reads = {
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0),
+        "grad.norm()": lambda: [p.grad.norm() for p in params if p.grad is not None],
+        "get_total_norm": lambda: torch.nn.utils.get_total_norm(
+            [p.grad for p in params if p.grad is not None]),
+        "zero_grad(set_to_none=False)": lambda: opt.zero_grad(set_to_none=False),
+    }
+    errors, idle_none, norms = [], [], []
+    for mb, counts in enumerate(plan):
+        seqs = samples(mb, sum(counts))
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        start = sum(counts[:rank])
+        mine = seqs[start:start + counts[rank]]
+        for i, seq in enumerate(mine):
+            model.set_requires_gradient_sync(i == len(mine) - 1)
+            (loss_of(model, seq) * world / tokens).backward()
+            for what, read in reads.items():
+                try:
+                    read()
+                    errors.append((what, None))
+                except RuntimeError as err:
+                    errors.append((what, str(err)))
+        if not mine:
+            idle_none.append(all(p.grad is None for p in params))
+        if all(counts):  # a collective: only where no rank is idle (an idle rank publishes
+            # its shards at the barrier; its peers' forwards wait for them)
+            state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+            dcp.save(state, checkpoint_id=os.path.join(ckpt, f"mb{mb}"))
+        torch_odc.minibatch_barrier()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 1e9).item())  # after: works
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
+    handle.detach()
+    return errors, idle_none, norms, full
+
+
+def test_gradient_reads_before_the_barrier_raise_naming_it_and_work_after_it():
+    """During a minibatch .grad holds a storage-less placeholder: clipping, grad norms and
+    in-place zeroing raise, naming the barrier (no-sync microbatches included); a DCP save
+    there works; a rank that ran no microbatch sees None. After the barrier the norms and the
+    trained parameters equal the float64 reference."""
+    cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]]}
+    plan = [[3, 0], [1, 2]]
+    with tempfile.TemporaryDirectory(prefix="odc-guard-") as tmp:
+        results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, tmp)
+    want_norms = []
+    want = reference(cfg, plan, 2, norms=want_norms)
+    for rank, (errors, idle_none, norms, got) in enumerate(results):
+        assert len(errors) == 4 * sum(c[rank] for c in plan), errors
+        print(f"rank {rank}: {errors[0][1]}")
+        for what, err in errors:
+            assert err is not None, f"rank {rank}: {what} before the barrier did not raise"
+            assert "torch_odc.minibatch_barrier()" in err and f"rank {rank}, minibatch" in err, err
+        assert idle_none == [True] * sum(c[rank] == 0 for c in plan), idle_none
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5,
+                                   atol=0)
+        for key, ref in want.items():
+            torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
 
 
 # ---- options that on-demand mode refuses at attach, and misuse -------------------------------

@@ -30,6 +30,49 @@ _handles: list[Handle] = []
 _REPLICA_BUCKET_BYTES = 256 << 20
 
 
+class _NoGradBeforeBarrier(torch.Tensor):
+    """What a sharded parameter's ``.grad`` holds from this rank's first microbatch of a
+    minibatch to its barrier: a tensor with the gradient's size, stride, dtype and device but no
+    storage (no memory), whose every op raises an error naming the barrier. Under ODC the
+    gradient exists only at the barrier (pushed into the owners' accumulators until then); a
+    None there would let ``clip_grad_norm_`` or a grad-norm log silently see no gradient (HF
+    Trainer clips before any callback). ``.grad is None`` checks, assigning ``.grad`` and
+    reading its metadata still work."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, size, stride, dtype, device, param: str, where):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False)
+        self._param, self._where = param, where
+        return self
+
+    def _message(self, what: str) -> str:
+        return (
+            f"torch_odc: {self._where()}: the gradient of {self._param} was used ({what}) "
+            "between this rank's first microbatch of the minibatch and "
+            "torch_odc.minibatch_barrier(). Under on-demand communication gradients are reduced "
+            "at the barrier; until then .grad holds none. Call torch_odc.minibatch_barrier() on "
+            "every rank after the minibatch's last backward, then read, clip or log gradients "
+            "(clip_grad_norm_, grad norms), then optimizer.step()."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        placeholder = next(t for t in tree_leaves((args, kwargs or {})) if isinstance(t, cls))
+        raise RuntimeError(placeholder._message(str(func)))
+
+    def __repr__(self) -> str:
+        return f"<no gradient before torch_odc.minibatch_barrier(): {self._param}>"
+
+
+def _is_placeholder(grad) -> bool:
+    return grad is not None and isinstance(_fsdp2.local_tensor(grad), _NoGradBeforeBarrier)
+
+
 class _KeyedAllGather(_fsdp2.AllGather):
     def __init__(self, handle: Handle, key: int):
         self._handle, self._key = handle, key
@@ -59,6 +102,10 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         self._handle._enter_minibatch()
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
+        if _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+            # FSDP2 sets .grad of these parameters right after this call (it would add into a
+            # placeholder); the hook it calls next puts the placeholder back.
+            key.take_placeholders(params)
         # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
         # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
         scale = _fsdp2.push_scale(key.unit, input_tensor.dtype)
@@ -95,6 +142,9 @@ class _Key:
         # _USER (another tensor, left in .grad) or a tensor (HSDP: a copy of the view).
         self.prior: list = [None] * len(unit.params)
         self._grad_hooks: list = []
+        # Parameters reduce-scattered since this rank entered the minibatch.
+        self.reduced: set[int] = set()
+        self._where = None  # set by attach: "rank r, minibatch m" for messages
 
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
@@ -145,7 +195,37 @@ class _Key:
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
         if self.prior[index] is not _USER:
-            param.grad = None
+            self.place_placeholder(index)
+
+    def place_placeholder(self, index: int) -> None:
+        """Puts the no-memory placeholder in parameter `index`'s ``.grad`` (see
+        :class:`_NoGradBeforeBarrier`)."""
+        size, stride, dtype, device = _fsdp2.grad_meta(self.unit.params[index])
+        _fsdp2.set_grad(self.unit.params[index], _NoGradBeforeBarrier(
+            size, stride, dtype, device, _param_name(self.unit, index), self._where))
+
+    def dropped_grads(self) -> list[str]:
+        """Parameters whose placeholder was replaced by None (``zero_grad()``) after this rank
+        entered the minibatch, where that drops a gradient ODC cannot drop: one carried from
+        the last minibatch (kept in the accumulator span), or one already pushed in this
+        minibatch. Dropping before anything was carried or pushed changes nothing."""
+        return [_param_name(self.unit, i) for i, fp in enumerate(self.unit.params)
+                if self.grad_numels[i] and self.prior[i] is not _USER
+                and fp.sharded_param.grad is None
+                and (self.prior[i] is not None or i in self.reduced)]
+
+    def take_placeholders(self, params: list[int]) -> None:
+        """Before FSDP2 sets the .grad of `params` after their reduce-scatter: removes their
+        placeholders, raising first where the user dropped a gradient ODC cannot drop."""
+        dropped = [n for n in self.dropped_grads() if n in
+                   {_param_name(self.unit, i) for i in params}]
+        if dropped:
+            raise RuntimeError(_dropped_message(self._where(), dropped))
+        for index in params:
+            self.reduced.add(index)
+            if self.prior[index] is not _USER and _is_placeholder(
+                    _fsdp2.sharded_param(self.unit.params[index]).grad):
+                _fsdp2.set_grad(self.unit.params[index], None)
 
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
@@ -253,11 +333,12 @@ class Handle:
         releasing = b._arrived  # False only before the first minibatch after attach
         carried = False
         for key in self._keys:
+            key.reduced.clear()
             for index, fp in enumerate(key.unit.params):
                 if key.grad_numels[index] == 0:
                     continue
                 grad = _fsdp2.sharded_grad(fp)
-                if grad is None:
+                if grad is None or isinstance(grad, _NoGradBeforeBarrier):
                     key.prior[index] = None
                 elif releasing and _same_view(grad, key.span(index)):
                     # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
@@ -267,7 +348,8 @@ class Handle:
                 else:
                     key.prior[index] = _USER
                 if key.prior[index] is not _USER:
-                    _fsdp2.set_grad(fp, None)  # FSDP2 must not add into the accumulator
+                    # FSDP2 must not add into the accumulator; reads raise until the barrier.
+                    key.place_placeholder(index)
         if not releasing:
             return  # fresh accumulators: zero since connect
         with self._release_stream():
@@ -311,6 +393,9 @@ class Handle:
 
     def _check_barrier(self) -> None:
         """Raises, before anything changes, on a barrier that would silently train wrong."""
+        dropped = [n for k in self._keys for n in k.dropped_grads()] if self._entered else []
+        if dropped:
+            raise RuntimeError(_dropped_message(self._where(), dropped))
         pending = [n for k in self._keys for n in k.pending_grads()]
         if pending:
             raise RuntimeError(
@@ -320,7 +405,7 @@ class Handle:
                 "microbatch?). Enable gradient sync for the last backward of every minibatch."
             )
         if self._barrier_done and not self._stepped and any(
-                p.grad is not None for p in self._params):
+                p.grad is not None and not _is_placeholder(p.grad) for p in self._params):
             raise RuntimeError(
                 f"torch_odc: {self._where()}: a second minibatch_barrier() without "
                 "optimizer.step() since the last one would add this minibatch's gradients onto "
@@ -409,7 +494,9 @@ class Handle:
             # .grad views of the accumulators outlive the region as copies.
             for index, fp in enumerate(key.unit.params):
                 grad = _fsdp2.sharded_grad(fp)
-                if key.grad_numels[index] and grad is not None and _same_view(
+                if isinstance(grad, _NoGradBeforeBarrier):
+                    _fsdp2.set_grad(fp, None)
+                elif key.grad_numels[index] and grad is not None and _same_view(
                         grad, key.span(index)):
                     _fsdp2.set_grad(fp, grad.clone())
             key.accumulator = None
@@ -424,6 +511,17 @@ class Handle:
 
 
 _CARRY, _USER = "carry", "user"
+
+
+def _dropped_message(where: str, names: list[str]) -> str:
+    return (
+        f"torch_odc: {where}: the gradients of {', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''} were set to None (zero_grad()?) after this rank "
+        "started the minibatch (its first forward since the barrier): under on-demand "
+        "communication they were already pushed to their owners, or kept from the last "
+        "minibatch, and cannot be dropped. Call optimizer.zero_grad() right after "
+        "optimizer.step(), before any forward (evaluation included)."
+    )
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -508,6 +606,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     backend._connect_engine([k.spec() for k in entries],
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
+        key._where = handle._where
         key.accumulator = backend._accumulator(index)
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off

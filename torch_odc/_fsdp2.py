@@ -46,7 +46,9 @@ What is read, and how it differs between 2.11 and 2.15:
 * the sharded gradient: FSDP2's post-reduce (both versions) sets ``sharded_param.grad`` to a
   view of the reduce-scatter output when it is None, adds into it otherwise, then calls the
   sharded parameter's post-accumulate-grad hooks (public ``register_post_accumulate_grad_hook``;
-  skipped under compiled autograd in 2.11).
+  skipped under compiled autograd in 2.11). It reads ``.grad`` only after the reduce-scatter
+  comm returned, and not at all under HSDP while ``FSDPParamGroup.all_reduce_grads`` is False
+  (both versions).
 """
 
 from __future__ import annotations
@@ -213,9 +215,28 @@ def shard_view(fp, flat: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def sharded_grad(fp) -> torch.Tensor | None:
-    """The local tensor of the parameter's sharded ``.grad``, or None."""
+    """The local tensor of the parameter's sharded ``.grad``, or None. Read without running an
+    op (``to_local()`` runs one), so that it works on ODC's placeholder gradient too."""
     grad = fp.sharded_param.grad
-    return None if grad is None else grad.to_local()
+    return None if grad is None else local_tensor(grad)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (attribute read, no op); any other tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def grad_meta(fp) -> tuple[torch.Size, tuple, torch.dtype, torch.device]:
+    """Size, stride, dtype and device of the local tensor FSDP2 puts in the sharded ``.grad``."""
+    return (fp.sharded_size, tuple(fp.contiguous_sharded_stride), grad_dtype(fp),
+            fp.sharded_param.device)
+
+
+def sets_grad_after_reduce_scatter(unit: Unit) -> bool:
+    """Whether FSDP2's post-backward sets or adds to ``.grad`` after this unit's reduce-scatter.
+    It does not under HSDP with its all-reduce off (``set_requires_all_reduce(False)``, which
+    ``set_requires_gradient_sync(True)`` turns back on): it then keeps the output apart."""
+    return replicate_group(unit) is None or bool(getattr(unit.group, "all_reduce_grads", True))
 
 
 def set_grad(fp, grad: torch.Tensor | None) -> None:

@@ -96,11 +96,11 @@ def tokenizer():
                                    pad_token="t0", eos_token="t1", bos_token="t1")
 
 
-def common_args(odc: bool) -> dict:
+def common_args(odc: bool, cuda: bool = False) -> dict:
     args = {"output_dir": tempfile.mkdtemp(prefix="odc-hf-"), "num_train_epochs": 1,
             "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
             "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
-            "use_cpu": True, "train_sampling_strategy": "sequential", "seed": 0,
+            "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
             "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
             "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD}
     if odc:
@@ -108,9 +108,10 @@ def common_args(odc: bool) -> dict:
     return args
 
 
-def train(kind: str, odc: bool) -> dict:
+def train(kind: str, odc: bool, cuda: bool = False) -> dict:
     """One training run of `kind` ("full", "lora", "sft"); with `odc` on this rank of the odc
-    group, else alone. Returns the full parameters, the log history and ODC's step counts."""
+    group, else alone; on CPU or the current GPU. Returns the full parameters (on CPU), the log
+    history and ODC's step counts."""
     from transformers import Trainer, TrainingArguments
 
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
@@ -125,21 +126,37 @@ def train(kind: str, odc: bool) -> dict:
         cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
         trainer = cls(model=model, processing_class=tokenizer(),
                       train_dataset=datasets.Dataset.from_list(data),
-                      args=SFTConfig(**common_args(odc), max_length=None,
+                      args=SFTConfig(**common_args(odc, cuda), max_length=None,
                                      dataset_kwargs={"skip_prepare_dataset": True}), **extra)
     else:
         cls = odc_trainer(Trainer) if odc else Trainer
-        trainer = cls(model=model, args=TrainingArguments(**common_args(odc)),
+        trainer = cls(model=model, args=TrainingArguments(**common_args(odc, cuda)),
                       train_dataset=data, data_collator=collate, **extra)
     trainer.train()
-    params = {}
-    for name, p in trainer.model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name] = full.detach().clone()
+    params = full_params(trainer.model)
     steps = [h for h in trainer.state.log_history if "loss" in h]
     return {"params": params, "trainable": sorted(n for n, p in trainer.model.named_parameters()
                                                   if p.requires_grad),
             "logs": steps, "odc_steps": getattr(trainer, "odc_steps", None)}
+
+
+def full_params(model) -> dict:
+    """Every parameter, unsharded, on CPU. FSDP2 shards dim 0 in rank order, so the full tensor
+    is the concatenation of the ranks' local shards; they travel as CPU objects (Gloo), also
+    when the ranks share one GPU (NCCL refuses that; Gloo's all-gather of CUDA tensors is not
+    used here)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu()
+             for n, p in model.named_parameters()}
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return local
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: local[n] for n in sharded})
+    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
+            for n, t in local.items()}
 
 
 def _set_rank_env(rank, world):
@@ -148,17 +165,17 @@ def _set_rank_env(rank, world):
                       MASTER_PORT="29555")
 
 
-def _odc_ranks(rank, world, kinds):
+def _odc_ranks(rank, world, kinds, cuda=False):
     _set_rank_env(rank, world)
-    return {kind: train(kind, odc=True) for kind in kinds}
+    return {kind: train(kind, odc=True, cuda=cuda) for kind in kinds}
 
 
-def _reference(rank, world, kinds):
+def _reference(rank, world, kinds, cuda=False):
     import torch.distributed as dist
 
     dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
     os.environ.update(OFFLINE)
-    return {kind: train(kind, odc=False) for kind in kinds}
+    return {kind: train(kind, odc=False, cuda=cuda) for kind in kinds}
 
 
 try:
@@ -170,15 +187,29 @@ except ImportError:  # the SFTTrainer case needs TRL
 
 
 @functools.cache
-def runs():
-    reference = run_ranks(1, _reference, KINDS, backend="gloo", timeout=600)[0]
-    odc = run_ranks(WORLD, _odc_ranks, KINDS, timeout=600)
+def runs(kinds: tuple = tuple(KINDS), cuda: bool = False):
+    # On one GPU the 2 ranks share it: the Trainer's own CUDA collectives (grad norm, loss
+    # gather) go through Gloo, since NCCL refuses two ranks on one device.
+    env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
+    reference = run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
+                          cuda=cuda)[0]
+    odc = run_ranks(WORLD, _odc_ranks, list(kinds), cuda, timeout=600, cuda=cuda, env=env)
     return reference, odc
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_trainer_with_odc_matches_the_one_process_trainer(kind):
-    reference, odc = runs()
+    check(kind, *runs())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (2 ranks share one)")
+@pytest.mark.parametrize("kind", KINDS)
+def test_trainer_with_odc_on_gpu_matches_the_one_process_trainer(kind):
+    """On GPUs accelerate does the FSDP2 wrapping itself (MULTI_GPU with its FSDP plugin)."""
+    check(kind, *runs((kind,), cuda=True))  # one attach per process group on CUDA
+
+
+def check(kind, reference, odc):
     want = reference[kind]
     initial = {n: p.detach() for n, p in build_model(kind == "lora").named_parameters()}
     for rank, out in enumerate(r[kind] for r in odc):

@@ -84,7 +84,8 @@ class ODCConfig:
     def __post_init__(self):
         cap = self.max_tokens_per_microbatch
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"ODCConfig.max_tokens_per_microbatch must be a positive int, got {cap!r}")
+            raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int, got "
+                             f"{cap!r}")
 
 
 class ODCStep:
@@ -109,11 +110,16 @@ class ODCStep:
                 f"{self.counts})")
 
 
-def _lb_mini(config: ODCConfig) -> Planner:
-    def plan(lengths, world_size, step):
-        return balance.plan(lengths, world_size, config.max_tokens_per_microbatch, mode="mini",
-                            cost=config.cost, **config.cost_args).microbatches
-    return plan
+class _LBMini:
+    """The default planner (a class, not a closure: DataLoader workers may pickle it)."""
+
+    def __init__(self, config: ODCConfig):
+        self.config = config
+
+    def __call__(self, lengths, world_size, step):
+        c = self.config
+        return balance.plan(lengths, world_size, c.max_tokens_per_microbatch, mode="mini",
+                            cost=c.cost, **c.cost_args).microbatches
 
 
 def _checked_plan(plan, n: int, world: int, step: int) -> list:
@@ -248,8 +254,8 @@ class ODCTrainerMixin:
         self.odc = odc
         self._odc_check_args()
         # The step's sequences: the Trainer's global batch (its "total train batch size").
-        self._odc_sequences_per_step = (self._train_batch_size * self.args.gradient_accumulation_steps
-                                        * self.args.world_size)
+        self._odc_sequences_per_step = (self._train_batch_size * self.args.world_size
+                                        * self.args.gradient_accumulation_steps)
         # The Trainer's loop draws one ODCStep per optimizer step; the counting of input tokens
         # (one gather per microbatch otherwise) moves into the step's metrics reduction.
         args = copy.copy(self.args)
@@ -369,7 +375,7 @@ class ODCTrainerMixin:
             raise ValueError("torch_odc.integrations.hf: the training dataset must have a length "
                              "(LB-Mini plans each step from its sequences' lengths)")
         key = getattr(self.model, "main_input_name", "input_ids")
-        args = self.args
+        args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
             self._get_collator_with_removed_columns(self.data_collator, description="training"),
@@ -377,16 +383,16 @@ class ODCTrainerMixin:
             self._odc_sequences_per_step,
             args.world_size,
             args.process_index,
-            self.odc.planner or _lb_mini(self.odc),
+            self.odc.planner or _LBMini(self.odc),
             shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
         )
         return _StepLoader(
             steps, batch_size=None, sampler=_StepKeys(steps), collate_fn=_identity,
-            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if args.dataloader_num_workers else None,
+            num_workers=workers, pin_memory=args.dataloader_pin_memory,
+            persistent_workers=bool(workers and args.dataloader_persistent_workers),
+            prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
 
     # -- the step ------------------------------------------------------------------------------
@@ -418,6 +424,19 @@ class ODCTrainerMixin:
     def _odc_record_metrics(self, sums: dict[str, float]) -> None:
         if "input_tokens" in sums:
             self.state.num_input_tokens_seen += int(sums["input_tokens"])
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        # The Trainer logs the tokens seen only when its own (per-microbatch) count is on; the
+        # module counts them once per step instead and logs them the same way.
+        if self._odc_tokens_seen not in ("no", False, None):
+            from transformers.trainer_utils import speed_metrics
+
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None:
+                seen = (self.state.num_input_tokens_seen
+                        - getattr(self, "_initial_num_input_tokens_seen", 0))
+                logs.update(speed_metrics("train", start_time, num_tokens=seen))
+        super().log(logs, start_time)
 
     @staticmethod
     def _odc_all_reduce(values: list[float]) -> list[float]:
@@ -455,7 +474,8 @@ class ODCTrainerMixin:
             self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
                 [self._odc_sums[k] for k in keys]), strict=True)))
         self.odc_steps.append({"epoch": step.epoch, "step": step.step,
-                               "microbatches": list(step.counts), "label_tokens": int(label_tokens)})
+                               "microbatches": list(step.counts),
+                               "label_tokens": int(label_tokens)})
         return total.detach()
 
     def floating_point_ops(self, inputs) -> int:

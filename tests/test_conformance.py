@@ -411,15 +411,19 @@ def test_16bit_reduction_over_many_microbatches_is_no_less_precise_than_fsdp2(mp
 def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
     """Trains `plan` with no-sync microbatches; after every microbatch tries the gradient reads
     trainers make before their optimizer step, and between the last microbatch and the barrier
-    saves a DCP checkpoint where every rank ran microbatches. Returns what each read raised, whether a
-    rank without microbatches saw .grad None, the gradient norms after each barrier and the
-    final parameters."""
+    saves a DCP checkpoint where every rank ran microbatches. Returns what each read raised,
+    whether a rank without microbatches saw .grad None, per barrier the clipped norm (CPU) and
+    this rank's sum of squared gradient shards, the parameters (on GPUs this rank's shards:
+    the collectives of clipping, DCP and full_tensor need NCCL, which refuses 2 ranks on one
+    GPU) and what a backward raised after zero_grad() dropped a kept gradient."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import torch_odc
 
+    cuda = cfg.get("device") == "cuda"
     model = sharded(cfg, world)
+    device = next(model.parameters()).device
     handle = torch_odc.attach(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
@@ -432,7 +436,7 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
     }
     errors, idle_none, norms = [], [], []
     for mb, counts in enumerate(plan):
-        seqs = samples(mb, sum(counts))
+        seqs = [s.to(device) for s in samples(mb, sum(counts))]
         tokens = sum(s.shape[1] - 1 for s in seqs)
         start = sum(counts[:rank])
         mine = seqs[start:start + counts[rank]]
@@ -447,41 +451,91 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
                     errors.append((what, str(err)))
         if not mine:
             idle_none.append(all(p.grad is None for p in params))
-        if all(counts):  # a collective: only where no rank is idle (an idle rank publishes
-            # its shards at the barrier; its peers' forwards wait for them)
+        if all(counts) and not cuda:  # a collective: only where no rank is idle (an idle
+            # rank publishes its shards at the barrier; its peers' forwards wait for them)
             state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
             dcp.save(state, checkpoint_id=os.path.join(ckpt, f"mb{mb}"))
         torch_odc.minibatch_barrier()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 1e9).item())  # after: works
+        squares = sum(p.grad.to_local().double().pow(2).sum().item()
+                      for p in params if p.grad is not None)
+        clipped = None if cuda else torch.nn.utils.clip_grad_norm_(params, 1e9).item()
+        norms.append((clipped, squares))
         opt.step()
-        opt.zero_grad()
-    full = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
-    handle.detach()
-    return errors, idle_none, norms, full
+        if mb < len(plan) - 1:
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation forward starts the next minibatch ...
+                model(seqs[0][:, :-1])
+            opt.zero_grad()  # ... where dropping .grad (all None) changes nothing
+    if cuda:
+        params_out = {k: v.to_local().detach().float().cpu() for k, v in model.state_dict().items()}
+    else:
+        params_out = {k: v.full_tensor().detach().float() for k, v in model.state_dict().items()}
+    # The last minibatch's .grad is kept (no zero_grad()): an evaluation forward, then
+    # zero_grad() (torchtitan zeroes at the start of its next step), would drop a gradient
+    # ODC keeps in the accumulator: the next backward raises.
+    with torch.no_grad():
+        model(seqs[0][:, :-1])
+    opt.zero_grad()
+    try:
+        loss_of(model, seqs[0]).backward()
+        dropped = None
+    except RuntimeError as err:
+        dropped = str(err)
+    handle._attached = False  # leave the engine as it is; the group is torn down next
+    return errors, idle_none, norms, params_out, dropped
+
+
+def _check_grad_reads(results, cfg, plan):
+    want_norms = []
+    want = reference(cfg, plan, 2, norms=want_norms)
+    for rank, (errors, idle_none, norms, _, dropped) in enumerate(results):
+        print(f"rank {rank}: {errors[0][1]}")
+        assert dropped is not None and "zero_grad()" in dropped, dropped
+        assert len(errors) == 4 * sum(c[rank] for c in plan), errors
+        for what, err in errors:
+            assert err is not None, f"rank {rank}: {what} before the barrier did not raise"
+            assert "torch_odc.minibatch_barrier()" in err and f"rank {rank}, minibatch" in err, err
+        assert idle_none == [True] * sum(c[rank] == 0 for c in plan), idle_none
+        clipped = [c for c, _ in norms]
+        if clipped[0] is not None:
+            torch.testing.assert_close(torch.tensor(clipped), torch.tensor(want_norms),
+                                       rtol=1e-5, atol=0)
+    summed = [sum(r[2][mb][1] for r in results) ** 0.5 for mb in range(len(plan))]
+    torch.testing.assert_close(torch.tensor(summed), torch.tensor(want_norms), rtol=1e-5, atol=0)
+    return want
 
 
 def test_gradient_reads_before_the_barrier_raise_naming_it_and_work_after_it():
     """During a minibatch .grad holds a storage-less placeholder: clipping, grad norms and
     in-place zeroing raise, naming the barrier (no-sync microbatches included); a DCP save
     there works; a rank that ran no microbatch sees None. After the barrier the norms and the
-    trained parameters equal the float64 reference."""
+    trained parameters equal the float64 reference. zero_grad() after an evaluation forward
+    is harmless where nothing was kept, and raises where a kept gradient would be dropped."""
     cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]]}
     plan = [[3, 0], [1, 2]]
     with tempfile.TemporaryDirectory(prefix="odc-guard-") as tmp:
         results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, tmp)
-    want_norms = []
-    want = reference(cfg, plan, 2, norms=want_norms)
-    for rank, (errors, idle_none, norms, got) in enumerate(results):
-        assert len(errors) == 4 * sum(c[rank] for c in plan), errors
-        print(f"rank {rank}: {errors[0][1]}")
-        for what, err in errors:
-            assert err is not None, f"rank {rank}: {what} before the barrier did not raise"
-            assert "torch_odc.minibatch_barrier()" in err and f"rank {rank}, minibatch" in err, err
-        assert idle_none == [True] * sum(c[rank] == 0 for c in plan), idle_none
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5,
-                                   atol=0)
+    want = _check_grad_reads(results, cfg, plan)
+    for _, _, _, got, _ in results:
         for key, ref in want.items():
             torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gradient_reads_before_the_barrier_raise():
+    """The same on GPUs (CUDA IPC transport, 2 ranks; on one GPU they share it): without the
+    CPU case's clipping and DCP save after the barrier (collectives NCCL runs)."""
+    import torch_odc
+
+    if not torch_odc._C._has_cuda_transport():
+        pytest.skip("this build has no CUDA transport")
+    cfg = {"branch": True, "norm": "affine", "units": [["norm", "head"]], "device": "cuda"}
+    plan = [[3, 0], [1, 2]]
+    results = run_ranks(2, _grad_reads_before_the_barrier, cfg, plan, "", cuda=True)
+    want = _check_grad_reads(results, cfg, plan)
+    got = {k: torch.cat([r[3][k] for r in results]) for k in results[0][3]}
+    for key, ref in want.items():
+        torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
 
 
 # ---- options that on-demand mode refuses at attach, and misuse -------------------------------

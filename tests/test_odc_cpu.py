@@ -146,7 +146,8 @@ def _step_misuse(rank, world):
     except RuntimeError as err:
         errors.append(str(err))
     unchanged = all(torch.equal(before[k], v.to_local()) for k, v in model.state_dict().items())
-    opt.zero_grad()  # drops the minibatch; a second barrier would otherwise be refused
+    # No zero_grad() here: after that forward it could not drop the gradient kept from the
+    # last minibatch (the barrier would refuse it); the step below applies it, as FSDP2's would.
     torch_odc.minibatch_barrier()
     opt.step()  # the right order works
     handle.detach()

@@ -63,6 +63,8 @@ class _NoGradBeforeBarrier(torch.Tensor):
         from torch.utils._pytree import tree_leaves
 
         placeholder = next(t for t in tree_leaves((args, kwargs or {})) if isinstance(t, cls))
+        if "zero_" in str(func):  # zero_grad(set_to_none=False)
+            raise RuntimeError(_dropped_message(placeholder._where(), [placeholder._param]))
         raise RuntimeError(placeholder._message(str(func)))
 
     def __repr__(self) -> str:
@@ -102,6 +104,14 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         self._handle._enter_minibatch()
         key = self._handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
+        if key.hsdp and _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+            raise RuntimeError(
+                f"torch_odc: {self._handle._where()}: FSDP2's per-microbatch all-reduce across "
+                f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
+                "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
+                "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
+                "Call set_requires_gradient_sync() before the forward."
+            )
         if _fsdp2.sets_grad_after_reduce_scatter(key.unit):
             # FSDP2 sets .grad of these parameters right after this call (it would add into a
             # placeholder); the hook it calls next puts the placeholder back.
@@ -142,6 +152,7 @@ class _Key:
         # _USER (another tensor, left in .grad) or a tensor (HSDP: a copy of the view).
         self.prior: list = [None] * len(unit.params)
         self._grad_hooks: list = []
+        self.hsdp = _fsdp2.replicate_group(unit) is not None
         # Parameters reduce-scattered since this rank entered the minibatch.
         self.reduced: set[int] = set()
         self._where = None  # set by attach: "rank r, minibatch m" for messages
@@ -152,6 +163,13 @@ class _Key:
 
     def before_forward(self) -> None:
         self.watch_grads()
+        self.restore_placeholders()
+        if self.hsdp:
+            # set_requires_gradient_sync(True) (the last microbatch of no-sync accumulation)
+            # also turns FSDP2's per-microbatch all-reduce across replicas back on: replicas
+            # running different microbatch counts would hang in it. ODC all-reduces once, at
+            # the barrier.
+            self.unit.module.set_requires_all_reduce(False, recurse=False)
         # HSDP with FSDP2's all-reduce off: FSDP2 adds each backward's reduce-scatter output
         # (zeros under ODC) into a partial buffer, which torch 2.11 cannot do once the set of
         # parameters with a gradient changes between microbatches. Nothing in it is needed.
@@ -204,6 +222,15 @@ class _Key:
         _fsdp2.set_grad(self.unit.params[index], _NoGradBeforeBarrier(
             size, stride, dtype, device, _param_name(self.unit, index), self._where))
 
+    def restore_placeholders(self) -> None:
+        """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
+        kept from the last minibatch, none pushed in this one (e.g. zero_grad() after an
+        evaluation forward that started the minibatch)."""
+        for index, fp in enumerate(self.unit.params):
+            if (self.grad_numels[index] and self.prior[index] is None
+                    and index not in self.reduced and _fsdp2.sharded_param(fp).grad is None):
+                self.place_placeholder(index)
+
     def dropped_grads(self) -> list[str]:
         """Parameters whose placeholder was replaced by None (``zero_grad()``) after this rank
         entered the minibatch, where that drops a gradient ODC cannot drop: one carried from
@@ -211,7 +238,7 @@ class _Key:
         minibatch. Dropping before anything was carried or pushed changes nothing."""
         return [_param_name(self.unit, i) for i, fp in enumerate(self.unit.params)
                 if self.grad_numels[i] and self.prior[i] is not _USER
-                and fp.sharded_param.grad is None
+                and _fsdp2.sharded_param(fp).grad is None
                 and (self.prior[i] is not None or i in self.reduced)]
 
     def take_placeholders(self, params: list[int]) -> None:
@@ -246,8 +273,8 @@ class _Key:
                 return params
         names = [_param_name(self.unit, i) for i in candidates[0]]
         raise RuntimeError(
-            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements per "
-            f"rank, but the parameters that got a gradient since its last reduce-scatter "
+            f"torch_odc: reduce-scatter of FSDP unit '{self.name}' covers {chunk_numel} elements "
+            f"per rank, but the parameters that got a gradient since its last reduce-scatter "
             f"({', '.join(names) or 'none'}) add up to "
             f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
             "(requires_grad changed) need a re-attach."
@@ -515,12 +542,12 @@ _CARRY, _USER = "carry", "user"
 
 def _dropped_message(where: str, names: list[str]) -> str:
     return (
-        f"torch_odc: {where}: the gradients of {', '.join(names[:3])}"
-        f"{', ...' if len(names) > 3 else ''} were set to None (zero_grad()?) after this rank "
-        "started the minibatch (its first forward since the barrier): under on-demand "
-        "communication they were already pushed to their owners, or kept from the last "
-        "minibatch, and cannot be dropped. Call optimizer.zero_grad() right after "
-        "optimizer.step(), before any forward (evaluation included)."
+        f"torch_odc: {where}: zero_grad() on {', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''} between this rank's first forward of the "
+        "minibatch and torch_odc.minibatch_barrier(): under on-demand communication gradients "
+        "cannot be dropped then (each backward pushed them to their owners; a gradient kept "
+        "from the last minibatch stays in the accumulator). Call optimizer.zero_grad() after "
+        "optimizer.step() and before the next forward (evaluation forwards included)."
     )
 
 

@@ -227,9 +227,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def grad_meta(fp) -> tuple[torch.Size, tuple, torch.dtype, torch.device]:
-    """Size, stride, dtype and device of the local tensor FSDP2 puts in the sharded ``.grad``."""
-    return (fp.sharded_size, tuple(fp.contiguous_sharded_stride), grad_dtype(fp),
-            fp.sharded_param.device)
+    """Size, stride, dtype and device of the local tensor FSDP2 puts in the sharded ``.grad``.
+    The dtype is the parameter's ``grad_dtype`` (what the ``.grad`` setter accepts; FSDP2 2.15
+    casts to it) where torch has it."""
+    dtype = getattr(fp.sharded_param, "grad_dtype", None) or grad_dtype(fp)
+    return fp.sharded_size, tuple(fp.contiguous_sharded_stride), dtype, fp.sharded_param.device
 
 
 def sets_grad_after_reduce_scatter(unit: Unit) -> bool:

@@ -104,7 +104,7 @@ def common_args(odc: bool, cuda: bool = False) -> dict:
             "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
             "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD}
     if odc:
-        args.update(fsdp="full_shard", fsdp_config={"version": 2})
+        args.update(fsdp=True, fsdp_config={"version": 2})
     return args
 
 

@@ -15,7 +15,7 @@ What ODC adds to an SFTTrainer script is the process group and three lines:
 
     dist.init_process_group("odc")
     trainer = odc_trainer(SFTTrainer)(..., odc=ODCConfig(max_tokens_per_microbatch=...))
-    # and fsdp="full_shard", fsdp_config={"version": 2} in SFTConfig
+    # and fsdp=True, fsdp_config={"version": 2} in SFTConfig
 
 GPUs: one per rank (NCCL serves the trainer's own collectives: grad norm, loss logging), or
 two ranks sharing one GPU with ``ODC_CUDA_COLLECTIVES=gloo`` (NCCL refuses two ranks on one
@@ -135,7 +135,7 @@ def main() -> None:
         "gradient_accumulation_steps": args.accumulation, "learning_rate": args.lr,
         "lr_scheduler_type": "constant", "max_grad_norm": 1.0, "logging_steps": 1,
         "save_strategy": "no", "report_to": [], "disable_tqdm": True, "use_cpu": not cuda,
-        "bf16": cuda, "fsdp": "full_shard", "fsdp_config": {"version": 2}, "seed": 0,
+        "bf16": cuda, "fsdp": True, "fsdp_config": {"version": 2}, "seed": 0,
     }
     odc = ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
     # Sequences longer than the cap run alone in a microbatch: expected here, not worth a warning.

@@ -5,7 +5,7 @@ step, any number of microbatches per rank (zero included), one barrier per step.
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     dist.init_process_group("odc")          # before TrainingArguments / SFTConfig
-    args = SFTConfig(..., fsdp="full_shard", fsdp_config={"version": 2})
+    args = SFTConfig(..., fsdp=True, fsdp_config={"version": 2})
     trainer = odc_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds,
                                       odc=ODCConfig(max_tokens_per_microbatch=8192))
     trainer.train()
@@ -286,7 +286,7 @@ class ODCTrainerMixin:
         a, where = self.args, "torch_odc.integrations.hf"
         plugin = a.fsdp_plugin_args
         if not a.fsdp or plugin is None or plugin.get("fsdp_version") != 2:
-            raise ValueError(f"{where}: ODC serves FSDP2: set fsdp='full_shard' and "
+            raise ValueError(f"{where}: ODC serves FSDP2: set fsdp=True and "
                              "fsdp_config={'version': 2} in the training arguments")
         if plugin.get("cpu_offload"):
             raise ValueError(f"{where}: fsdp_config cpu_offload is not supported by ODC")

@@ -131,9 +131,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
-             return torch::from_blob(e.accumulator(key),
-                                     {static_cast<int64_t>(e.layout().offsets(key).accum_numel)},
-                                     options);
+             const auto numel = static_cast<int64_t>(e.layout().offsets(key).accum_numel);
+             // A unit without trainable parameters (frozen embeddings under LoRA) has no
+             // accumulator; from_blob on CUDA would ask the driver about a pointer it never
+             // allocated.
+             if (numel == 0) return torch::empty({0}, options);
+             return torch::from_blob(e.accumulator(key), {numel}, options);
            })
       .def("_accumulator_section",
            [](torch_odc::OdcBackend& self) {

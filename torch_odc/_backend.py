@@ -15,8 +15,20 @@ def _make_gloo(store, rank: int, size: int, timeout):
 
 
 def _nccl_factory(store, rank: int, size: int, timeout):
-    """Returns a callable that creates the inner NCCL backend, or None without CUDA/NCCL."""
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+    """Returns a callable that creates the inner NCCL backend, or None without CUDA/NCCL.
+
+    ``ODC_CUDA_COLLECTIVES=gloo``: Gloo (through host memory) serves CUDA tensors instead, for
+    ranks that share one GPU, which NCCL refuses; a framework's few collectives per step (a grad
+    norm, a loss gather) then still run there. FSDP2's all-gathers and reduce-scatters of an
+    attached model do not use it."""
+    import os
+
+    if not torch.cuda.is_available():
+        return None
+    if os.environ.get("ODC_CUDA_COLLECTIVES", "nccl") == "gloo":
+        return lambda: dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo-cuda/", store), rank, size,
+                                             timeout)
+    if not dist.is_nccl_available():
         return None
 
     def create():

@@ -1,0 +1,283 @@
+"""torch_odc.integrations.hf on 2 CPU ranks: the real transformers Trainer and TRL SFTTrainer
+(accelerate's FSDP2 wrapping, AdamW, clipping on) with uneven microbatch counts per rank (zero
+included), against one process running the unmodified trainer on the same steps (no FSDP, one
+microbatch per step). Checks the parameters (1e-5) and every logged metric per step: loss,
+grad_norm, learning_rate and TRL's entropy, mean_token_accuracy and num_tokens. A tiny Llama
+built from a config, a word-level tokenizer built in memory: nothing is downloaded."""
+
+import functools
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("peft")
+
+from multiproc import run_ranks
+
+WORLD = 2
+PER_DEVICE = 3  # sequences per step = PER_DEVICE * WORLD (one-process reference: 6 per batch)
+STEPS = 3
+SEQUENCES = PER_DEVICE * WORLD * STEPS
+VOCAB = 64
+LR = 2e-2
+MAX_GRAD_NORM = 0.05  # below every step's norm here (LoRA ~0.1): clipping acts in every step
+ATOL = 1e-5
+# plan[step][rank]: microbatches as positions into the step's 6 sequences. Step 2 is LB-Mini's.
+FIXED_PLANS = {
+    0: [[[0, 1], [2], [3, 4]], [[5]]],
+    1: [[], [[0], [1, 2], [3], [4, 5]]],  # rank 0 runs nothing
+}
+WANT_COUNTS = [[3, 1], [0, 4]]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+def sequences() -> list[list[int]]:
+    """Token sequences of lengths 5..30: arithmetic progressions (learnable)."""
+    rng = random.Random("test_integrations_hf")
+    out = []
+    for _ in range(SEQUENCES):
+        n, start, step = rng.randint(5, 30), rng.randrange(2, VOCAB), rng.randrange(1, 5)
+        out.append([2 + (start + step * k) % (VOCAB - 2) for k in range(n)])
+    return out
+
+
+def planner(lengths, world, step):
+    if step in FIXED_PLANS:
+        return FIXED_PLANS[step]
+    from torch_odc import balance
+
+    return balance.plan(lengths, world, 40, mode="mini").microbatches
+
+
+def build_model(lora: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+        with torch.no_grad():  # peft zeroes lora_B: give it values so every adapter trains
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.05)
+    return model
+
+
+def collate(features):
+    """Right padding; labels are the inputs with pads ignored (the model shifts them)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, f in enumerate(features):
+        ids[row, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[row, :len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
+                                   pad_token="t0", eos_token="t1", bos_token="t1")
+
+
+def common_args(odc: bool, cuda: bool = False) -> dict:
+    args = {"output_dir": tempfile.mkdtemp(prefix="odc-hf-"), "num_train_epochs": 1,
+            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
+            "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
+            "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
+            "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
+            "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD}
+    if odc:
+        args.update(fsdp=True, fsdp_config={"version": 2})
+    return args
+
+
+def train(kind: str, odc: bool, cuda: bool = False) -> dict:
+    """One training run of `kind` ("full", "lora", "sft"); with `odc` on this rank of the odc
+    group, else alone; on CPU or the current GPU. Returns the full parameters (on CPU), the log
+    history and ODC's step counts."""
+    from transformers import Trainer, TrainingArguments
+
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    data = [{"input_ids": s} for s in sequences()]
+    model = build_model(lora=kind == "lora")
+    extra = {"odc": ODCConfig(max_tokens_per_microbatch=40, planner=planner)} if odc else {}
+    if kind == "sft":
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
+        trainer = cls(model=model, processing_class=tokenizer(),
+                      train_dataset=datasets.Dataset.from_list(data),
+                      args=SFTConfig(**common_args(odc, cuda), max_length=None,
+                                     dataset_kwargs={"skip_prepare_dataset": True}), **extra)
+    else:
+        cls = odc_trainer(Trainer) if odc else Trainer
+        # Full fine-tuning also counts the input tokens seen (the Trainer gathers them per
+        # microbatch; the module once per step).
+        tokens = {"include_num_input_tokens_seen": "non_padding"} if kind == "full" else {}
+        trainer = cls(model=model, args=TrainingArguments(**common_args(odc, cuda), **tokens),
+                      train_dataset=data, data_collator=collate, **extra)
+    trainer.train()
+    params = full_params(trainer.model)
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    return {"params": params, "trainable": sorted(n for n, p in trainer.model.named_parameters()
+                                                  if p.requires_grad),
+            "logs": steps, "odc_steps": getattr(trainer, "odc_steps", None)}
+
+
+def full_params(model) -> dict:
+    """Every parameter, unsharded, on CPU. FSDP2 shards dim 0 in rank order, so the full tensor
+    is the concatenation of the ranks' local shards; they travel as CPU objects (Gloo), also
+    when the ranks share one GPU (NCCL refuses that; Gloo's all-gather of CUDA tensors is not
+    used here)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu()
+             for n, p in model.named_parameters()}
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return local
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: local[n] for n in sharded})
+    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
+            for n, t in local.items()}
+
+
+def _set_rank_env(rank, world):
+    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29555")
+
+
+def _odc_ranks(rank, world, kinds, cuda=False):
+    _set_rank_env(rank, world)
+    return {kind: train(kind, odc=True, cuda=cuda) for kind in kinds}
+
+
+def _reference(rank, world, kinds, cuda=False):
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
+    os.environ.update(OFFLINE)
+    return {kind: train(kind, odc=False, cuda=cuda) for kind in kinds}
+
+
+try:
+    import trl  # noqa: F401
+
+    KINDS = ["full", "lora", "sft"]
+except ImportError:  # the SFTTrainer case needs TRL
+    KINDS = ["full", "lora"]
+
+
+@functools.cache
+def runs(kinds: tuple = tuple(KINDS), cuda: bool = False):
+    # On one GPU the 2 ranks share it: the Trainer's own CUDA collectives (grad norm, loss
+    # gather) go through Gloo, since NCCL refuses two ranks on one device.
+    env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
+    reference = run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
+                          cuda=cuda)[0]
+    odc = run_ranks(WORLD, _odc_ranks, list(kinds), cuda, timeout=600, cuda=cuda, env=env)
+    return reference, odc
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trainer_with_odc_matches_the_one_process_trainer(kind):
+    check(kind, *runs())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (2 ranks share one)")
+@pytest.mark.parametrize("kind", KINDS)
+def test_trainer_with_odc_on_gpu_matches_the_one_process_trainer(kind):
+    """On GPUs accelerate does the FSDP2 wrapping itself (MULTI_GPU with its FSDP plugin)."""
+    check(kind, *runs((kind,), cuda=True))  # one attach per process group on CUDA
+
+
+def check(kind, reference, odc):
+    want = reference[kind]
+    initial = {n: p.detach() for n, p in build_model(kind == "lora").named_parameters()}
+    for rank, out in enumerate(r[kind] for r in odc):
+        # Uneven counts with a zero, then LB-Mini's plan (the same on both ranks).
+        counts = [s["microbatches"] for s in out["odc_steps"]]
+        assert counts[:2] == WANT_COUNTS and len(counts) == STEPS, counts
+        assert sum(counts[2]) >= 2, counts
+        assert out["trainable"] == want["trainable"]
+        if kind == "lora":
+            assert all("lora_" in n for n in out["trainable"]), out["trainable"]
+        moved = 0.0
+        for name, ref in want["params"].items():
+            got = out["params"][name]
+            torch.testing.assert_close(got, ref, rtol=0, atol=ATOL,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            if name in out["trainable"]:
+                moved = max(moved, (ref - initial[name]).abs().max().item())
+            else:
+                assert torch.equal(got, initial[name]), f"rank {rank}: frozen {name} moved"
+        assert moved > 100 * ATOL, "training barely moved the parameters: the check is weak"
+        # Every logged metric of every step, as the unmodified trainer logs it.
+        assert len(out["logs"]) == len(want["logs"]) == STEPS
+        for got, ref in zip(out["logs"], want["logs"], strict=True):
+            assert set(got) == set(ref), (sorted(got), sorted(ref))
+            for key, value in ref.items():
+                if key.startswith("train_"):  # speed metrics (with the tokens seen): timings
+                    continue
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (rank, key, got, ref)
+        if kind == "full":
+            assert out["logs"][-1]["num_input_tokens_seen"] == sum(len(s) for s in sequences())
+        assert all(h["grad_norm"] > MAX_GRAD_NORM for h in out["logs"])  # clipping acted
+
+
+def _collective_per_microbatch(rank, world):
+    """A compute_loss that all-reduces a metric in every microbatch: with counts [3, 1] the
+    ranks' collective counts differ and ODC names it; nothing hangs."""
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    from torch_odc.integrations.hf import ODCConfig, ODCTrainerMixin
+
+    _set_rank_env(rank, world)
+
+    class Chatty(ODCTrainerMixin, Trainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            dist.all_reduce(loss.detach().clone())  # a per-microbatch metric gather
+            return loss
+
+    trainer = Chatty(model=build_model(False), args=TrainingArguments(**common_args(True)),
+                     train_dataset=[{"input_ids": s} for s in sequences()], data_collator=collate,
+                     odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner))
+    try:
+        trainer.train()
+    except RuntimeError as err:
+        trainer._odc_handle._attached = False  # leave the engine; the group is torn down next
+        return str(err)
+    return None
+
+
+def test_a_collective_per_microbatch_in_compute_loss_is_named_not_hung():
+    import time
+
+    start = time.monotonic()
+    errors = run_ranks(WORLD, _collective_per_microbatch, pg_timeout=30.0, timeout=240.0)
+    assert time.monotonic() - start < 200.0
+    assert errors[1] is not None and "different numbers of collectives" in errors[1], errors
+    assert "ALLREDUCE" in errors[1], errors[1]

@@ -1,0 +1,5 @@
+"""Integrations of torch-odc with training frameworks (imported on demand, never by torch_odc).
+
+* :mod:`torch_odc.integrations.hf`: the Hugging Face ``transformers.Trainer`` and TRL's
+  ``SFTTrainer`` (needs ``transformers`` and ``accelerate``; ``trl`` for the SFT trainer).
+"""

@@ -1,0 +1,561 @@
+"""ODC inside the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: LB-Mini plans per optimizer
+step, any number of microbatches per rank (zero included), one barrier per step.
+
+    import torch_odc
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    dist.init_process_group("odc")          # before TrainingArguments / SFTConfig
+    args = SFTConfig(..., fsdp=True, fsdp_config={"version": 2})
+    trainer = odc_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds,
+                                      odc=ODCConfig(max_tokens_per_microbatch=8192))
+    trainer.train()
+
+What the returned subclass changes in the Trainer (docs/integrations.md has the whole story):
+
+* **One optimizer step = one item of the training dataloader**: the step's sequences are the
+  next ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` of the epoch's
+  order (the Trainer's global batch; shuffled from ``data_seed``/``seed`` and the epoch, the same
+  on every rank). LB-Mini (:func:`torch_odc.balance.plan`) splits them over ranks by their lengths
+  and packs each rank's share into microbatches of at most ``max_tokens_per_microbatch`` tokens,
+  which the trainer's own collator collates. The Trainer's loop then runs with
+  ``gradient_accumulation_steps = 1`` on a copy of ``args``.
+* ``training_step`` runs this rank's microbatches (any number, zero included) through the
+  trainer's own ``training_step`` with ``num_items_in_batch`` = the step's label tokens over all
+  ranks (one all-reduce of a CPU integer per step, before the first forward), then calls
+  :func:`torch_odc.minibatch_barrier`: the Trainer's clipping and grad norm, which run right
+  after ``training_step`` returns, see the complete gradient.
+* Metrics the trainer would gather per microbatch (TRL's entropy, token accuracy and token
+  count; ``include_num_input_tokens_seen``) are summed locally and all-reduced once per step,
+  after the barrier.
+* ``torch_odc.attach`` at ``on_train_begin`` (after accelerate prepared the model with FSDP2),
+  ``detach`` at ``on_train_end``.
+* On CPU ranks accelerate turns the job into ``MULTI_CPU`` and drops its FSDP plugin (it would
+  wrap the model in DDP): the subclass then shards the model itself with accelerate's own
+  ``fsdp2_prepare_model`` and the plugin built from ``args.fsdp_config``, before the optimizer is
+  created, and marks it prepared so that accelerate does not wrap it again.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_odc
+from torch_odc import balance
+
+__all__ = ["ODCConfig", "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer"]
+
+IGNORE_INDEX = -100
+
+# planner(lengths, world_size, step) -> plan[rank] = list of microbatches, each a list of
+# positions into `lengths`; every position exactly once over all ranks.
+Planner = Callable[[Sequence[int], int, int], Sequence[Sequence[Sequence[int]]]]
+
+
+@dataclasses.dataclass
+class ODCConfig:
+    """How the module plans each optimizer step.
+
+    Attributes:
+        max_tokens_per_microbatch: token cap of one microbatch (unpadded tokens; the collator
+            pads each microbatch to its longest sequence). A longer sequence gets a microbatch
+            of its own, with a warning.
+        cost: LB-Mini's cost model: ``"tokens"``, ``"flops"`` or a callable length -> cost,
+            e.g. a fitted :class:`torch_odc.balance.TimeCost` (docs/balance.md).
+        cost_args: keyword arguments of the cost model (``"flops"``: ``num_params``, ...).
+        planner: replaces LB-Mini: ``planner(lengths, world_size, step)`` returns, per rank,
+            its microbatches as lists of positions into ``lengths``; every rank must return the
+            same plan. Checked to cover every sequence exactly once.
+        eager_publish: passed to :func:`torch_odc.attach`.
+    """
+
+    max_tokens_per_microbatch: int
+    cost: Any = "tokens"
+    cost_args: dict = dataclasses.field(default_factory=dict)
+    planner: Planner | None = None
+    eager_publish: bool = True
+
+    def __post_init__(self):
+        cap = self.max_tokens_per_microbatch
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int, got "
+                             f"{cap!r}")
+
+
+class ODCStep:
+    """One optimizer step as this rank sees it: its collated microbatches (possibly none).
+
+    ``counts[r]`` is rank r's number of microbatches in the step, ``indices`` this rank's
+    dataset indices per microbatch, ``step``/``epoch`` where the step is in the epoch. It is not
+    a mapping of model inputs (``"labels" in step`` is False), so the Trainer's loop counts and
+    gathers nothing from it."""
+
+    __slots__ = ("counts", "epoch", "indices", "microbatches", "step")
+
+    def __init__(self, microbatches, counts, indices, epoch, step):
+        self.microbatches, self.counts, self.indices = microbatches, counts, indices
+        self.epoch, self.step = epoch, step
+
+    def __contains__(self, key) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return (f"ODCStep(epoch={self.epoch}, step={self.step}, microbatches per rank "
+                f"{self.counts})")
+
+
+class _LBMini:
+    """The default planner (a class, not a closure: DataLoader workers may pickle it)."""
+
+    def __init__(self, config: ODCConfig):
+        self.config = config
+
+    def __call__(self, lengths, world_size, step):
+        c = self.config
+        return balance.plan(lengths, world_size, c.max_tokens_per_microbatch, mode="mini",
+                            cost=c.cost, **c.cost_args).microbatches
+
+
+def _checked_plan(plan, n: int, world: int, step: int) -> list:
+    """The plan as lists, refused unless it gives every one of the n sequences to exactly one
+    microbatch: a sequence left out or run twice would silently change the gradient."""
+    if len(plan) != world:
+        raise ValueError(f"torch_odc.integrations.hf: step {step}: the planner returned "
+                         f"{len(plan)} ranks' microbatches for a world of {world}")
+    seen = [0] * n
+    out = []
+    for rank_plan in plan:
+        mbs = []
+        for mb in rank_plan:
+            mb = [int(i) for i in mb]
+            if not mb:
+                raise ValueError(f"torch_odc.integrations.hf: step {step}: an empty microbatch")
+            for i in mb:
+                if not 0 <= i < n:
+                    raise ValueError(f"torch_odc.integrations.hf: step {step}: position {i} is "
+                                     f"outside the step's {n} sequences")
+                seen[i] += 1
+            mbs.append(mb)
+        out.append(mbs)
+    bad = [i for i, c in enumerate(seen) if c != 1]
+    if bad:
+        raise ValueError(f"torch_odc.integrations.hf: step {step}: the plan runs sequences "
+                         f"{bad[:5]} {[seen[i] for i in bad[:5]]} times (must be once each)")
+    return out
+
+
+class _StepData(torch.utils.data.Dataset):
+    """The epoch's optimizer steps: item (epoch, step) is this rank's collated share of it.
+    Runs in the DataLoader's workers when there are any; holds no trainer."""
+
+    def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
+                 drop_last):
+        self.dataset, self.collate, self.lengths = dataset, collate, lengths
+        self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self._orders: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:  # what the Trainer reports as "Num examples"
+        return len(self.lengths)
+
+    def num_steps(self) -> int:
+        n = len(self.lengths)
+        return n // self.per_step if self.drop_last else math.ceil(n / self.per_step)
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's sequence order, the same on every rank (a generator seeded from the
+        seed and the epoch, like accelerate's seedable sampler)."""
+        if epoch not in self._orders:
+            n = len(self.lengths)
+            if self.shuffle:
+                gen = torch.Generator()
+                gen.manual_seed(self.seed + epoch)
+                self._orders = {epoch: torch.randperm(n, generator=gen).tolist()}
+            else:
+                self._orders = {epoch: list(range(n))}
+        return self._orders[epoch]
+
+    def __getitem__(self, key) -> ODCStep:
+        epoch, step = key
+        ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
+        lengths = [self.lengths[i] for i in ids]
+        plan = _checked_plan(self.planner(lengths, self.world, step), len(ids), self.world, step)
+        mine = [[ids[j] for j in mb] for mb in plan[self.rank]]
+        batches = [self.collate([self.dataset[i] for i in mb]) for mb in mine]
+        return ODCStep(batches, [len(p) for p in plan], mine, epoch, step)
+
+
+class _StepKeys(torch.utils.data.Sampler):
+    def __init__(self, steps: _StepData):
+        self.steps, self.epoch = steps, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps.num_steps()
+
+    def __iter__(self):
+        return iter([(self.epoch, s) for s in range(len(self))])
+
+
+class _StepLoader(torch.utils.data.DataLoader):
+    """A DataLoader of ODCSteps; the Trainer calls set_epoch on it before every epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def _identity(x):
+    return x
+
+
+def _sequence_lengths(dataset, key: str) -> list[int]:
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset) and key in dataset.column_names:
+            return [len(x) for x in dataset[key]]
+    except ImportError:
+        pass
+    return [len(dataset[i][key]) for i in range(len(dataset))]
+
+
+class _AcceleratorWithPlugin:
+    """What ``accelerate.utils.fsdp2_prepare_model`` reads from an Accelerator, with the FSDP
+    plugin that accelerate's CPU state does not keep: everything else is the real one's."""
+
+    def __init__(self, accelerator, plugin):
+        self._accelerator = accelerator
+        self.state = type("_State", (), {"fsdp_plugin": plugin})()
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+class ODCTrainerMixin:
+    """Mixes ODC into a ``transformers.Trainer`` subclass: ``class T(ODCTrainerMixin, Trainer)``
+    (or :func:`odc_trainer`). The constructor takes one keyword more, ``odc=ODCConfig(...)``.
+
+    After training, ``odc_steps`` holds per optimizer step the microbatch count of every rank
+    and the step's label tokens."""
+
+    def __init__(self, *args, odc: ODCConfig | None = None, **kwargs):
+        if not isinstance(odc, ODCConfig):
+            raise TypeError("torch_odc.integrations.hf: pass odc=ODCConfig("
+                            "max_tokens_per_microbatch=...) to the trainer")
+        super().__init__(*args, **kwargs)
+        self.odc = odc
+        self._odc_check_args()
+        # The step's sequences: the Trainer's global batch (its "total train batch size").
+        self._odc_sequences_per_step = (self._train_batch_size * self.args.world_size
+                                        * self.args.gradient_accumulation_steps)
+        # The Trainer's loop draws one ODCStep per optimizer step; the counting of input tokens
+        # (one gather per microbatch otherwise) moves into the step's metrics reduction.
+        args = copy.copy(self.args)
+        args.gradient_accumulation_steps = 1
+        self._odc_tokens_seen = args.include_num_input_tokens_seen
+        args.include_num_input_tokens_seen = "no"
+        self.args = args
+        self._odc_handle = None
+        self._odc_in_step = False
+        self._odc_sums: dict[str, float] = {}
+        self.odc_steps: list[dict] = []
+        from transformers import TrainerCallback
+
+        owner = self
+
+        class _Attach(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                owner._odc_attach()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                owner._odc_detach()
+
+        self.add_callback(_Attach())
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _odc_check_args(self) -> None:
+        a, where = self.args, "torch_odc.integrations.hf"
+        plugin = a.fsdp_plugin_args
+        if not a.fsdp or plugin is None or plugin.get("fsdp_version") != 2:
+            raise ValueError(f"{where}: ODC serves FSDP2: set fsdp=True and "
+                             "fsdp_config={'version': 2} in the training arguments")
+        if plugin.get("cpu_offload"):
+            raise ValueError(f"{where}: fsdp_config cpu_offload is not supported by ODC")
+        if a.auto_find_batch_size:
+            raise ValueError(f"{where}: auto_find_batch_size is not supported (the step's "
+                             "size is the plan's)")
+        if a.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(f"{where}: train_sampling_strategy={a.train_sampling_strategy!r}: "
+                             "ODC plans the step itself (LB-Mini); use 'random' or 'sequential'")
+        if getattr(self, "is_deepspeed_enabled", False) or a.parallelism_config is not None:
+            raise ValueError(f"{where}: DeepSpeed and parallelism_config (TP/CP/SP) are not "
+                             "supported")
+        if not a.average_tokens_across_devices:
+            raise ValueError(f"{where}: average_tokens_across_devices=False: ODC normalizes the "
+                             "loss by the step's token count over all ranks; set it to True")
+        self._odc_check_loss()
+
+    def _odc_check_loss(self) -> None:
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            raise ValueError(
+                "torch_odc.integrations.hf: the model's loss does not take num_items_in_batch "
+                f"({type(self.model).__name__}.forward has no **kwargs), so the Trainer would "
+                "average it per microbatch: the gradient would depend on how sequences are "
+                "split. Pass a compute_loss_func that sums token losses and divides by "
+                "num_items_in_batch.")
+
+    def get_total_train_batch_size(self, args) -> int:
+        n = getattr(self, "_odc_sequences_per_step", None)
+        return n if n is not None else super().get_total_train_batch_size(args)
+
+    def _odc_shards_itself(self) -> bool:
+        from accelerate.utils import DistributedType
+
+        return (not self.is_fsdp_enabled
+                and self.accelerator.distributed_type == DistributedType.MULTI_CPU)
+
+    def create_optimizer(self, model=None):
+        # The Trainer creates the optimizer right before accelerator.prepare(model, optimizer).
+        # On CPU ranks accelerate would wrap the model in DDP: shard it here first, with
+        # accelerate's own FSDP2 preparation, so that the optimizer holds the sharded parameters.
+        if self._odc_shards_itself():
+            self._odc_shard_like_accelerate()
+        return super().create_optimizer(model)
+
+    def _odc_shard_like_accelerate(self) -> None:
+        from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            return
+        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        if plugin.activation_checkpointing or plugin.cpu_ram_efficient_loading:
+            raise ValueError("torch_odc.integrations.hf: on CPU ranks the module shards the model "
+                             "itself, without fsdp_config activation_checkpointing or "
+                             "cpu_ram_efficient_loading")
+        if self.accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(self.accelerator.mixed_precision)
+        fsdp2_prepare_model(_AcceleratorWithPlugin(self.accelerator, plugin), self.model)
+        # accelerate's own mark of what it prepared: prepare() then leaves the model as it is.
+        self.model._is_accelerate_prepared = True
+
+    def _odc_attach(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._odc_handle is not None:
+            return
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            raise RuntimeError(
+                "torch_odc.integrations.hf: accelerate did not shard the model with FSDP2 "
+                f"(distributed type {self.accelerator.distributed_type}); check fsdp and "
+                "fsdp_config={'version': 2} in the training arguments")
+        self._odc_handle = torch_odc.attach(self.model, eager_publish=self.odc.eager_publish)
+
+    def _odc_detach(self) -> None:
+        if self._odc_handle is not None:
+            self._odc_handle.detach()
+            self._odc_handle = None
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("torch_odc.integrations.hf: the training dataset must have a length "
+                             "(LB-Mini plans each step from its sequences' lengths)")
+        key = getattr(self.model, "main_input_name", "input_ids")
+        args, workers = self.args, self.args.dataloader_num_workers
+        steps = _StepData(
+            dataset,
+            self._get_collator_with_removed_columns(self.data_collator, description="training"),
+            _sequence_lengths(dataset, key),
+            self._odc_sequences_per_step,
+            args.world_size,
+            args.process_index,
+            self.odc.planner or _LBMini(self.odc),
+            shuffle=args.train_sampling_strategy == "random",
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            drop_last=args.dataloader_drop_last,
+        )
+        return _StepLoader(
+            steps, batch_size=None, sampler=_StepKeys(steps), collate_fn=_identity,
+            num_workers=workers, pin_memory=args.dataloader_pin_memory,
+            persistent_workers=bool(workers and args.dataloader_persistent_workers),
+            prefetch_factor=args.dataloader_prefetch_factor if workers else None,
+        )
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _odc_label_tokens(self, batch) -> int:
+        """The label tokens of one microbatch, counted as the Trainer counts num_items_in_batch."""
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        elif "labels" in batch:
+            labels = batch["labels"]
+            if getattr(self, "_loss_shifts_labels", True):
+                labels = labels[..., 1:]
+        else:
+            raise ValueError("torch_odc.integrations.hf: a microbatch without 'labels': the "
+                             "step's token count (the loss's denominator) needs them")
+        return int(labels.ne(IGNORE_INDEX).sum())
+
+    def _odc_input_tokens(self, batch) -> int:
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if self._odc_tokens_seen == "non_padding" and "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        return batch[main].numel() if main in batch else 0
+
+    def _odc_metric_keys(self) -> tuple[str, ...]:
+        """The local sums reduced once per step after the barrier (the same keys on every
+        rank, also on one that ran no microbatch)."""
+        return ("input_tokens",) if self._odc_tokens_seen not in ("no", False, None) else ()
+
+    def _odc_record_metrics(self, sums: dict[str, float]) -> None:
+        if "input_tokens" in sums:
+            self.state.num_input_tokens_seen += int(sums["input_tokens"])
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        # The Trainer logs the tokens seen only when its own (per-microbatch) count is on; the
+        # module counts them once per step instead and logs them the same way.
+        if self._odc_tokens_seen not in ("no", False, None):
+            from transformers.trainer_utils import speed_metrics
+
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None:
+                seen = (self.state.num_input_tokens_seen
+                        - getattr(self, "_initial_num_input_tokens_seen", 0))
+                logs.update(speed_metrics("train", start_time, num_tokens=seen))
+        super().log(logs, start_time)
+
+    @staticmethod
+    def _odc_all_reduce(values: list[float]) -> list[float]:
+        """One all-reduce of a small CPU float64 vector: under "odc" it runs on Gloo, also for
+        ranks that share one GPU."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not isinstance(inputs, ODCStep):
+            raise TypeError("torch_odc.integrations.hf: training_step expects an ODCStep from the "
+                            "module's own train dataloader, got " + type(inputs).__name__)
+        step = inputs
+        # The loss's denominator: the step's label tokens over all ranks, known before the
+        # first forward (every rank calls this once per step, also with no microbatch).
+        (label_tokens,) = self._odc_all_reduce([sum(self._odc_label_tokens(b)
+                                                    for b in step.microbatches)])
+        num_items = torch.tensor(label_tokens, dtype=torch.float32, device=self.args.device)
+        keys = self._odc_metric_keys()
+        self._odc_sums = dict.fromkeys(keys, 0.0)
+        total = torch.zeros((), device=self.args.device)
+        self._odc_in_step = True
+        try:
+            for batch in step.microbatches:
+                if "input_tokens" in self._odc_sums:
+                    self._odc_sums["input_tokens"] += self._odc_input_tokens(batch)
+                total = total + super().training_step(model, batch, num_items)
+        finally:
+            self._odc_in_step = False
+        # After this rank's last backward, before the Trainer clips and takes the grad norm.
+        torch_odc.minibatch_barrier()
+        if keys:
+            self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
+                [self._odc_sums[k] for k in keys]), strict=True)))
+        self.odc_steps.append({"epoch": step.epoch, "step": step.step,
+                               "microbatches": list(step.counts),
+                               "label_tokens": int(label_tokens)})
+        return total.detach()
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, ODCStep):
+            return sum(super(ODCTrainerMixin, self).floating_point_ops(b)
+                       for b in inputs.microbatches)
+        return super().floating_point_ops(inputs)
+
+
+class ODCSFTTrainerMixin(ODCTrainerMixin):
+    """For TRL's ``SFTTrainer``: ``class T(ODCSFTTrainerMixin, SFTTrainer)``.
+
+    TRL's ``compute_loss`` gathers its metrics (entropy, token accuracy, token count) in every
+    microbatch, a collective that ranks with different microbatch counts cannot all call. In
+    training microbatches this computes the same loss from the same fused LM head outputs and
+    sums the metrics locally; they are all-reduced once per step after the barrier and logged
+    as TRL logs them. Evaluation uses TRL's own ``compute_loss``."""
+
+    def _odc_check_loss(self) -> None:
+        where = "torch_odc.integrations.hf (SFTTrainer)"
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            raise ValueError(f"{where}: compute_loss_func and label smoothing are not supported")
+        if self.aux_loss_enabled:
+            raise ValueError(f"{where}: the MoE auxiliary loss (router_aux_loss_coef) is a "
+                             "per-microbatch mean; not supported")
+        if self.args.loss_type not in ("nll", "dft"):
+            raise ValueError(f"{where}: loss_type={self.args.loss_type!r} is not supported")
+
+    def _odc_metric_keys(self) -> tuple[str, ...]:
+        return (*super()._odc_metric_keys(), "valid", "entropy", "correct", "tokens")
+
+    def _odc_record_metrics(self, sums: dict[str, float]) -> None:
+        super()._odc_record_metrics(sums)
+        metrics, valid = self._metrics["train"], sums["valid"]
+        metrics["entropy"].append(sums["entropy"] / valid if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append(sums["correct"] / valid if valid > 0 else 0.0)
+        self._total_train_tokens += int(sums["tokens"]) // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (self._odc_in_step and self.model.training):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if return_outputs:
+            raise NotImplementedError("torch_odc.integrations.hf: return_outputs in training")
+        inputs["use_cache"] = False
+        outputs = model(**inputs, fused_lm_head=True)
+        per_token_loss = -outputs.log_probs  # zero where the label is ignored
+        if self.args.loss_type == "dft":
+            per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
+        loss = per_token_loss.sum() / torch.as_tensor(num_items_in_batch).clamp(min=1)
+        # num_items_in_batch counts every rank's tokens and FSDP2 averages over ranks.
+        loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        sums = self._odc_sums
+        with torch.no_grad():
+            sums["valid"] += float(outputs.label_mask.sum())
+            sums["entropy"] += float(outputs.entropy.sum())
+            sums["correct"] += float(outputs.is_top1.sum())
+        if "attention_mask" in inputs:
+            sums["tokens"] += float(inputs["attention_mask"].sum())
+        elif "position_ids" in inputs:
+            sums["tokens"] += float(inputs["position_ids"].size(1))
+        else:
+            raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+        return loss
+
+
+def odc_trainer(trainer_class: type) -> type:
+    """``trainer_class`` with ODC mixed in: ``odc_trainer(Trainer)``, ``odc_trainer(SFTTrainer)``
+    (or a subclass of either). The result takes ``odc=ODCConfig(...)`` as well."""
+    from transformers import Trainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"odc_trainer: {trainer_class!r} is not a transformers.Trainer subclass")
+    mixin = ODCTrainerMixin
+    try:
+        from trl import SFTTrainer
+
+        if issubclass(trainer_class, SFTTrainer):
+            mixin = ODCSFTTrainerMixin
+    except ImportError:
+        pass
+    return type(f"ODC{trainer_class.__name__}", (mixin, trainer_class), {})

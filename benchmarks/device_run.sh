@@ -33,7 +33,8 @@ with_base() { PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 "$PY" -c 'import torch_odc; assert torch_odc._C._has_cuda_transport(), "no CUDA transport built"'
 rc=0
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest tests -q -k "gpu or cuda" -p no:cacheprovider --timeout=240 -rs \
+  # TESTS: the test files or folders (default tests); TESTS_K: the -k expression.
+  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest ${TESTS:-tests} -q -k "${TESTS_K:-gpu or cuda}" -p no:cacheprovider --timeout=240 -rs \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if has bench; then

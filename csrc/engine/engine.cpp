@@ -82,6 +82,8 @@ void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<Key
   transport_->connect(rdv, prefix, layout, timeout_);
   layout_ = std::move(layout);
   published_.assign(layout_.numKeys(), 0);
+  gather_waited_.assign(layout_.numKeys(), 0);
+  gather_stream_.assign(layout_.numKeys(), nullptr);
   pushed_bits_.assign(layout_.pushedBitWords(), 0);
   peer_bits_.assign(layout_.pushedBitWords(), 0);
   collectives_ = 0;
@@ -161,6 +163,7 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
     transport_->read(rank_, off.cache, own, in_bytes, stream);
   }
   // Peers in rotated order, so that no owner is read by every rank at once.
+  const bool ready_known = gather_waited_[key] == epoch_ && gather_stream_[key] == stream;
   std::vector<Transport::PeerRead> reads;
   reads.reserve(static_cast<size_t>(world_ - 1));
   for (int i = 1; i < world_; ++i) {
@@ -171,12 +174,15 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
                   ". The peer has not run this module's all-gather in this "
                   "minibatch: is it stuck, or did it skip "
                   "torch_odc.minibatch_barrier()?";
-         })});
+         }),
+         ready_known});
     current_.bytes_fetched += in_bytes;
   }
   current_.publish_wait_s +=
       transport_->gatherPeers(off.cache, off.published_flag, epoch_, in_bytes, reads, stream);
   transport_->endOp(stream);
+  gather_waited_[key] = epoch_;
+  gather_stream_[key] = stream;
 }
 
 void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, double scale,

@@ -121,6 +121,10 @@ class Engine {
   bool arrived_ = false;
   uint64_t epoch_ = 1;
   std::vector<uint64_t> published_;    // epoch in which this rank last published each key
+  // Per key: the epoch and stream of the last gather that waited for every peer's publish. A
+  // later gather of the key in that epoch on that stream needs no wait (Transport::PeerRead).
+  std::vector<uint64_t> gather_waited_;
+  std::vector<Stream> gather_stream_;
   std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
   uint64_t ready_waited_ = 0;          // the epoch whose pushes waited for the owners' release
   Stream ready_stream_ = nullptr;      // ... on this stream

@@ -59,18 +59,24 @@ class Transport {
   // Returns the host seconds spent waiting (0 where the waits run on a device). The default runs
   // the entries one after the other through waitFlag + read; a transport may run them as one
   // operation (the CUDA transport: one kernel over every peer).
+  // `ready_known`: a wait for this flag and value was already issued on `stream` (flags only grow
+  // within a minibatch), so the read needs no wait of its own: stream order puts it behind that
+  // wait, and a wait that failed stops every read behind it (the CUDA transport's stop word).
   struct PeerRead {
     int peer;
     void* dst;
     WaitContext ctx;
+    bool ready_known = false;
   };
   virtual double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
                              const std::vector<PeerRead>& reads, Stream stream) {
     double waited = 0;
     for (const auto& r : reads) {
-      const auto t0 = Clock::now();
-      waitFlag(r.peer, flag_offset, value, r.ctx, stream);
-      waited += std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!r.ready_known) {
+        const auto t0 = Clock::now();
+        waitFlag(r.peer, flag_offset, value, r.ctx, stream);
+        waited += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
       if (bytes > 0) read(r.peer, offset, r.dst, bytes, stream);
     }
     return waited;

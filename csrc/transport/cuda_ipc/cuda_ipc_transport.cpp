@@ -505,6 +505,11 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
     return Transport::gatherPeers(offset, flag_offset, value, bytes, reads, stream);
   }
   checkDeviceErrors();
+  // Every flag already waited for on this stream (the key's earlier gathers in this minibatch):
+  // the copy alone, one launch; a wait of those that failed has set the stop word, so this copy
+  // is skipped too.
+  const bool wait = std::any_of(reads.begin(), reads.end(),
+                                [](const PeerRead& r) { return !r.ready_known; });
   cuda_ipc::GatherArgs args;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -513,11 +518,17 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
       args.src[i] = at(r.peer, offset);
       args.dst[i] = static_cast<uint8_t*>(r.dst);
       args.flag[i] = reinterpret_cast<const uint64_t*>(at(r.peer, flag_offset));
+      if (!wait) continue;
       args.slot[i] = next_slot_++ % kSlots;
       wait_descriptions_[args.slot[i]] = r.ctx.describe;
     }
   }
   if (reads.empty()) return 0;
+  if (!wait) {
+    cuda_ipc::launchGather(args, bytes, value, 0, nullptr, stop_, ctas_, /*wait=*/false,
+                           asStream(stream));
+    return 0;
+  }
   // One deadline for the operation: the earliest of its waits' (all set when it was enqueued).
   Clock::time_point deadline = reads.front().ctx.deadline;
   std::vector<int> peers;
@@ -528,7 +539,7 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
     describe.push_back(r.ctx.describe);
   }
   cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, stop_, ctas_,
-                         asStream(stream));
+                         /*wait=*/true, asStream(stream));
   watch(asStream(stream), deadline, std::move(peers), std::move(describe));
   return 0;
 }

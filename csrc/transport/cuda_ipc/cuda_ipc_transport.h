@@ -13,7 +13,8 @@
 //  - gather: a one-block kernel in which one thread per peer acquire-spins on the peer's flag
 //    (deadline = the process-group timeout; on expiry it records which wait failed in mapped
 //    host memory, and the host raises at the next keyed call, Work::wait or the barrier), then
-//    one kernel over all peers copies with 16-byte loads over NVLink.
+//    one kernel over all peers copies with 16-byte loads over NVLink. A key's later gathers in
+//    the same minibatch on the same stream launch the copy only (PeerRead::ready_known).
 //  - push: one kernel over all owners: 16-byte loads and remote vector reductions into each
 //    owner's accumulator.
 // Failures end in seconds, however many ops are queued: every wait of an op compares against

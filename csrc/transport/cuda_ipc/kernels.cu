@@ -281,12 +281,14 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
-                  DeviceError* error, uint32_t* stop, int ctas, cudaStream_t stream) {
+                  DeviceError* error, uint32_t* stop, int ctas, bool wait, cudaStream_t stream) {
   if (args.count == 0) return;
   constexpr int kThreads = 512;
   const dim3 grid(blocksPerEntry(ctas, args.count, bytes / 16, kThreads), args.count);
-  odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error, stop);
-  check(cudaGetLastError(), "wait kernel launch");
+  if (wait) {
+    odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error, stop);
+    check(cudaGetLastError(), "wait kernel launch");
+  }
   if (bytes == 0) return;  // a wait only (the owners' release before a minibatch's first push)
   odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes, stop);
   check(cudaGetLastError(), "gather kernel launch");

@@ -67,9 +67,9 @@ struct PushArgs {
 // A one-block kernel acquire-spins on every flag[y] >= value (until deadline_ns; on expiry
 // records slot[y] in `error`), then (bytes > 0) one kernel copies every entry's `bytes` with
 // 16-byte loads from the peers (8 in flight per thread), or nothing once a wait failed or abort is
-// set.
+// set. wait=false: the copy only (every flag was already waited for earlier on this stream).
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
-                  DeviceError* error, uint32_t* stop, int ctas, cudaStream_t stream);
+                  DeviceError* error, uint32_t* stop, int ctas, bool wait, cudaStream_t stream);
 // dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
 // (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale,

@@ -168,14 +168,14 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
   reads.reserve(static_cast<size_t>(world_ - 1));
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
-    reads.push_back(
-        {peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes, context([this, peer, key] {
-           return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
-                  ". The peer has not run this module's all-gather in this "
-                  "minibatch: is it stuck, or did it skip "
-                  "torch_odc.minibatch_barrier()?";
-         }),
-         ready_known});
+    reads.push_back({peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
+                     context([this, peer, key] {
+                       return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
+                              ". The peer has not run this module's all-gather in this "
+                              "minibatch: is it stuck, or did it skip "
+                              "torch_odc.minibatch_barrier()?";
+                     }),
+                     ready_known});
     current_.bytes_fetched += in_bytes;
   }
   current_.publish_wait_s +=

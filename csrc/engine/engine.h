@@ -120,7 +120,7 @@ class Engine {
   bool connected_ = false;
   bool arrived_ = false;
   uint64_t epoch_ = 1;
-  std::vector<uint64_t> published_;    // epoch in which this rank last published each key
+  std::vector<uint64_t> published_;  // epoch in which this rank last published each key
   // Per key: the epoch and stream of the last gather that waited for every peer's publish. A
   // later gather of the key in that epoch on that stream needs no wait (Transport::PeerRead).
   std::vector<uint64_t> gather_waited_;

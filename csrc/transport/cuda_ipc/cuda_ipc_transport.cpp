@@ -508,8 +508,8 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   // Every flag already waited for on this stream (the key's earlier gathers in this minibatch):
   // the copy alone, one launch; a wait of those that failed has set the stop word, so this copy
   // is skipped too.
-  const bool wait = std::any_of(reads.begin(), reads.end(),
-                                [](const PeerRead& r) { return !r.ready_known; });
+  const bool wait =
+      std::any_of(reads.begin(), reads.end(), [](const PeerRead& r) { return !r.ready_known; });
   cuda_ipc::GatherArgs args;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -66,6 +66,14 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   ctas_ = 2 * sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
   if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
+  if (const char* env = std::getenv("ODC_CUDA_PUSH")) {
+    const std::string mode(env);
+    if (mode != "bulk" && mode != "element") {
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": ODC_CUDA_PUSH=" + mode +
+                     " is not one of bulk, element");
+    }
+    push_mode_ = mode == "bulk" ? cuda_ipc::PushMode::kBulk : cuda_ipc::PushMode::kElement;
+  }
   control_.connect(rdv, prefix + "/ctl", layout.controlOnly(), timeout);
   check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(cuda_ipc::DeviceError),
                       cudaHostAllocMapped),
@@ -558,7 +566,7 @@ void CudaIpcTransport::pushPeers(size_t accum_offset, size_t elem, size_t locks_
     args.dst[i] = accumAt(p.peer, accum_offset, elem, dtype);
     args.src[i] = p.src;
   }
-  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), stop_, ctas_,
+  cuda_ipc::launchPushAll(args, numel, dtype, static_cast<float>(scale), stop_, ctas_, push_mode_,
                           asStream(stream));
 }
 

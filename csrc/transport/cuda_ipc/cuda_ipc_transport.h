@@ -132,6 +132,8 @@ class CudaIpcTransport : public Transport {
   // ODC_CUDA_FUSED=0 falls back to per-peer copy-engine reads and per-peer push kernels.
   int ctas_ = 0;
   bool fused_ = true;
+  // ODC_CUDA_PUSH=bulk|element (kernels.h PushMode).
+  cuda_ipc::PushMode push_mode_ = cuda_ipc::PushMode::kElement;
   std::chrono::milliseconds timeout_{0};
   size_t bytes_ = 0;
   std::vector<uint8_t*> bases_;  // device pointers; bases_[rank_] is the own cudaMalloc

@@ -218,6 +218,111 @@ __global__ void __launch_bounds__(512)
   for (size_t i = done + tid; i < numel; i += stride) atomicAdd(dst + i, toFloat(src[i]) * scale);
 }
 
+// ---- the bulk push (sm_90): whole tiles reduced into the accumulator by the copy engine ----
+//
+// Each block widens and scales a tile of the source into shared memory, and one thread hands the
+// tile to cp.reduce.async.bulk (.add.f32): the tensor memory accelerator adds it into the owner's
+// accumulator, element-wise atomically (as the red.v4 of the element path), at L2 line
+// granularity rather than one 16-byte reduction per thread. Two shared-memory stages: the next
+// tile is widened while the previous one's bulk reduction reads its stage. The part of an entry
+// after its last whole tile goes through the element path.
+constexpr int kBulkThreads = 512;
+constexpr int kBulkTile = 4096;  // fp32 elements per stage (16 KiB)
+
+__device__ __forceinline__ void bulkReduceAddF32(float* dst, const float* smem, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+      "r"(s), "r"(bytes)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// The bulk reduction issued two tiles ago has finished reading its stage (at most one pending).
+__device__ __forceinline__ void bulkWaitRead1() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+#endif
+}
+
+// Every bulk reduction of this thread has completed (its writes performed).
+__device__ __forceinline__ void bulkWaitAll() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Shared-memory writes of the generic proxy made visible to the async proxy (the bulk copy).
+__device__ __forceinline__ void fenceProxyAsyncShared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBulkThreads)
+    odcPushBulkKernel(PushArgs a, size_t numel, float scale, const uint32_t* stop) {
+  if (blockSkips(stop)) return;
+  __shared__ __align__(128) float stage[2][kBulkTile];
+  const int y = blockIdx.y;
+  float* dst = static_cast<float*>(a.dst[y]);
+  const T* src = static_cast<const T*>(a.src[y]);
+  const size_t tiles = numel / kBulkTile;
+  constexpr int kPerVec = 16 / sizeof(T);                    // source elements per uint4
+  constexpr int kVecs = kBulkTile / kPerVec / kBulkThreads;  // uint4 loads per thread per tile
+  int it = 0;
+  for (size_t t = blockIdx.x; t < tiles; t += gridDim.x, ++it) {
+    float* st = stage[it & 1];
+    if (it >= 2) {
+      if (threadIdx.x == 0) bulkWaitRead1();
+      __syncthreads();
+    }
+    const uint4* s4 = reinterpret_cast<const uint4*>(src + t * kBulkTile);
+    uint4 v[kVecs];
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) v[u] = __ldg(s4 + threadIdx.x + u * kBulkThreads);
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int e = (threadIdx.x + u * kBulkThreads) * kPerVec;  // first element of this load
+      const T* h = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+      for (int q = 0; q < kPerVec; q += 4) {
+        *reinterpret_cast<float4*>(st + e + q) =
+            make_float4(toFloat(h[q]) * scale, toFloat(h[q + 1]) * scale, toFloat(h[q + 2]) * scale,
+                        toFloat(h[q + 3]) * scale);
+      }
+    }
+    fenceProxyAsyncShared();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bulkReduceAddF32(dst + t * kBulkTile, st, kBulkTile * sizeof(float));
+    }
+  }
+  if (threadIdx.x == 0) bulkWaitAll();
+  // The part after the last whole tile: the element path, spread over the entry's blocks.
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (size_t i = tiles * kBulkTile + tid; i < numel; i += stride) {
+    atomicAdd(dst + i, toFloat(src[i]) * scale);
+  }
+}
+
+// The bulk push needs sm_90, a 16-byte aligned source and accumulator, and one whole tile.
+bool bulkPushFits(const PushArgs& args, size_t numel, int device) {
+  static int major = -1;
+  if (major < 0) cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (major < 9 || numel < static_cast<size_t>(kBulkTile)) return false;
+  for (int i = 0; i < args.count; ++i) {
+    if (reinterpret_cast<uintptr_t>(args.dst[i]) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(args.src[i]) % 16 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 int blocksPerEntry(int ctas, int entries, size_t work_vecs, int threads) {
   const size_t needed = (work_vecs + threads - 1) / threads;
   const int per = std::max(1, ctas / std::max(1, entries));
@@ -277,7 +382,7 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
   args.dst[0] = dst;
   args.src[0] = src;
   args.count = 1;
-  launchPushAll(args, numel, dtype, scale, stop, 2 * sm_count, stream);
+  launchPushAll(args, numel, dtype, scale, stop, 2 * sm_count, PushMode::kElement, stream);
 }
 
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
@@ -295,8 +400,33 @@ void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t
 }
 
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale,
-                   const uint32_t* stop, int ctas, cudaStream_t stream) {
+                   const uint32_t* stop, int ctas, PushMode mode, cudaStream_t stream) {
   if (args.count == 0) return;
+  int device = 0;
+  if (mode == PushMode::kBulk && cudaGetDevice(&device) == cudaSuccess &&
+      bulkPushFits(args, numel, device)) {
+    const size_t tiles = numel / kBulkTile;
+    const dim3 grid(static_cast<unsigned>(std::max<size_t>(
+                        1, std::min<size_t>(tiles, std::max(1, ctas / args.count)))),
+                    args.count);
+    switch (dtype) {
+      case DType::kFloat32:
+        odcPushBulkKernel<float><<<grid, kBulkThreads, 0, stream>>>(args, numel, scale, stop);
+        break;
+      case DType::kBFloat16:
+        odcPushBulkKernel<__nv_bfloat16>
+            <<<grid, kBulkThreads, 0, stream>>>(args, numel, scale, stop);
+        break;
+      case DType::kFloat16:
+        odcPushBulkKernel<__half><<<grid, kBulkThreads, 0, stream>>>(args, numel, scale, stop);
+        break;
+      default:
+        throw OdcError(std::string("odc: CUDA pushes of ") + dtypeName(dtype) +
+                       " are not supported (fp32, bf16, fp16)");
+    }
+    check(cudaGetLastError(), "bulk push kernel launch");
+    return;
+  }
   constexpr int kThreads = 512;
   const size_t elem = dtype == DType::kFloat32 ? 4 : 2;
   const dim3 grid(blocksPerEntry(ctas, args.count, numel * elem / 16, kThreads), args.count);

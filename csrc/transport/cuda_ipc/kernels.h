@@ -70,9 +70,13 @@ struct PushArgs {
 // set. wait=false: the copy only (every flag was already waited for earlier on this stream).
 void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
                   DeviceError* error, uint32_t* stop, int ctas, bool wait, cudaStream_t stream);
-// dst[y][i] += scale * src[y][i] into fp32 accumulators with remote 16-byte vector reductions
-// (red.v4.f32 on sm_90; 16-bit sources are widened first, so they move twice their bytes).
+// How a push adds into the accumulators. kElement: every thread issues 16-byte vector reductions
+// (red.v4.f32). kBulk (sm_90, 16-byte aligned spans of at least one 4096-element tile; otherwise
+// kElement): blocks widen tiles into shared memory and cp.reduce.async.bulk adds each tile.
+enum class PushMode { kElement, kBulk };
+// dst[y][i] += scale * src[y][i] into fp32 accumulators, each element added atomically (16-bit
+// sources are widened first, so they move twice their bytes), by `mode`.
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale,
-                   const uint32_t* stop, int ctas, cudaStream_t stream);
+                   const uint32_t* stop, int ctas, PushMode mode, cudaStream_t stream);
 
 }  // namespace torch_odc::cuda_ipc

@@ -21,27 +21,30 @@ torch.cuda.set_device(r % torch.cuda.device_count())
 dist.init_process_group("odc")
 b = torch_odc.odc_backend()
 print(r, "connect", flush=True)
-b._connect_engine([("k0", 1024, "bfloat16", [1024], "float32")], torch.cuda.current_device())
+# 10000 elements per rank: the push runs its bulk path on sm_90 (two 4096-element tiles) and
+# its element path for the 1808-element tail.
+N = 10000
+b._connect_engine([("k0", N, "bfloat16", [N], "float32")], torch.cuda.current_device())
 print(r, "connected", flush=True)
-inp = torch.full((1024,), float(r + 1), device="cuda", dtype=torch.bfloat16)
-out = torch.empty(2048, device="cuda", dtype=torch.bfloat16)
+inp = torch.full((N,), float(r + 1), device="cuda", dtype=torch.bfloat16)
+out = torch.empty(2 * N, device="cuda", dtype=torch.bfloat16)
 _C._set_keyed_call(0)
 dist.all_gather_into_tensor(out, inp)
 _C._set_keyed_call(-1)
 torch.cuda.synchronize()
-print(r, "gather", out[::1024].tolist(), flush=True)
-assert out[::1024].tolist() == [1.0, 2.0]
-g = torch.ones(2048, device="cuda")
-o = torch.empty(1024, device="cuda")
+print(r, "gather", out[::N].tolist(), flush=True)
+assert out[::N].tolist() == [1.0, 2.0]
+g = torch.ones(2 * N, device="cuda")
+o = torch.empty(N, device="cuda")
 for grad in (g, g.to(torch.bfloat16)):
     _C._set_keyed_call(0)
     dist.reduce_scatter_tensor(o.to(grad.dtype), grad)
     _C._set_keyed_call(-1)
 torch.cuda.synchronize()
 b._arrive()
-acc = b._accumulator(0)[:2].tolist()
-print(r, "acc", acc, flush=True)
-assert acc == [4.0, 4.0]
+acc = b._accumulator(0)[:N]
+print(r, "acc", acc[:2].tolist(), flush=True)
+assert bool((acc == 4.0).all()), acc.unique().tolist()
 b._release()
 b._disconnect_engine()
 print(r, "done", flush=True)

@@ -35,18 +35,18 @@ PLANS = {
 
 
 class Block(nn.Module):
-    def __init__(self, lora: bool, branch: bool):
+    def __init__(self, lora: bool, branch: bool, dim: int = DIM):
         super().__init__()
-        self.lin1 = nn.Linear(DIM, DIM)
-        self.lin2 = nn.Linear(DIM, DIM)
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
         self.lora_a = self.lora_b = None
         if lora:  # frozen base weights and trainable adapters under one fully_shard
             for p in (*self.lin1.parameters(), *self.lin2.parameters()):
                 p.requires_grad_(False)
-            self.lora_a = nn.Parameter(torch.randn(RANK, DIM) * 0.3)
-            self.lora_b = nn.Parameter(torch.randn(DIM, RANK) * 0.3)
+            self.lora_a = nn.Parameter(torch.randn(RANK, dim) * 0.3)
+            self.lora_b = nn.Parameter(torch.randn(dim, RANK) * 0.3)
         # Used only for some samples: gets no gradient in some microbatches and on some ranks.
-        self.branch = nn.Linear(DIM, DIM) if branch else None
+        self.branch = nn.Linear(dim, dim) if branch else None
 
     def forward(self, x, use_branch: bool):
         h = self.lin1(x)
@@ -59,13 +59,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, lora=False, branch=False, tied=False, norm=None):
+    def __init__(self, lora=False, branch=False, tied=False, norm=None, dim=DIM):
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(lora, branch) for _ in range(LAYERS))
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(lora, branch, dim) for _ in range(LAYERS))
         # A final norm as in Llama-style models ("affine": weight and bias; "plain": none).
-        self.norm = nn.LayerNorm(DIM, elementwise_affine=norm == "affine") if norm else None
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=norm == "affine") if norm else None
+        self.head = nn.Linear(dim, VOCAB, bias=False)
         if tied:
             self.head.weight = self.emb.weight
         if lora:
@@ -85,7 +85,7 @@ class Net(nn.Module):
 def make_model(cfg) -> Net:
     torch.manual_seed(4321)
     model = Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False),
-                cfg.get("norm"))
+                cfg.get("norm"), cfg.get("dim", DIM))
     for name in cfg.get("freeze", ()):  # whole modules frozen (requires_grad=False)
         model.get_submodule(name).requires_grad_(False)
     return model
@@ -231,6 +231,12 @@ CASES = {
     # name: (config, world, tolerance against the float64 reference). fp32: absolute, on every
     # parameter. 16-bit compute: relative to the largest parameter update (bf16 has 3 digits).
     "fp32-w2": ({}, 2, 2e-5),
+    # Blocks 128 wide: each rank's chunk of a block unit is 16512 elements, so the CUDA push runs
+    # its bulk path (whole 4096-element tiles, 16-byte aligned) with an element tail; the
+    # embedding's and head's chunks (2368) stay below a tile.
+    "wide-fp32": ({"dim": 128}, 2, 2e-5),
+    "wide-bf16-reduce-fp32": ({"dim": 128, "mp": (BF16, FP32)}, 2, REL16),
+    "wide-bf16-reduce-bf16": ({"dim": 128, "mp": (BF16, None)}, 2, REL16),
     "fp32-w4": ({}, 4, 2e-5),
     "bf16-reduce-fp32": ({"mp": (BF16, FP32)}, 2, REL16),
     "bf16-reduce-bf16": ({"mp": (BF16, None)}, 4, REL16),
@@ -292,25 +298,34 @@ def test_odc_equals_reference(name):
                 assert torch.equal(got[key], init[key]), f"frozen {key} changed"
 
 
-GPU_CASES = ["fp32-w2", "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
+GPU_CASES = ["fp32-w2", "wide-fp32", "wide-bf16-reduce-fp32", "wide-bf16-reduce-bf16",
+             "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
              "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
              "grads-kept-across-steps", "unit-norm-head-and-block-pair-w4",
              "unit-norm-head-no-reshard-bf16-w4", "unit-tied-emb-head",
              "unit-without-trainable-params"]
 
 
+# The push's other path (on sm_90 the bulk path is the default): the wide cases again.
+GPU_ELEMENT_PUSH_CASES = ["wide-fp32", "wide-bf16-reduce-fp32", "wide-bf16-reduce-bf16"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", GPU_CASES)
-def test_gpu_odc_equals_reference(name):
+@pytest.mark.parametrize(
+    "name,push",
+    [(n, "default") for n in GPU_CASES] + [(n, "element") for n in GPU_ELEMENT_PUSH_CASES],
+)
+def test_gpu_odc_equals_reference(name, push):
     """The same cases on GPUs (CUDA IPC transport), 2 ranks: on a 1-GPU machine they share it
-    (CUDA IPC works between processes on one device)."""
+    (CUDA IPC works between processes on one device). push=element: ODC_CUDA_PUSH=element."""
     import torch_odc
 
     if not torch_odc._C._has_cuda_transport():
         pytest.skip("this build has no CUDA transport")
     cfg, _, tol = CASES[name]
     cfg, world = {**cfg, "device": "cuda"}, 2
-    shards = run_ranks(world, train, cfg, PLANS[world], cuda=True)
+    env = {"ODC_CUDA_PUSH": "element"} if push == "element" else None
+    shards = run_ranks(world, train, cfg, PLANS[world], cuda=True, env=env)
     got = {k: torch.cat([r[k] for r in shards]) for k in shards[0]}
     want = reference(cfg, PLANS[world], world)
     init = {k: v.float() for k, v in make_model(cfg).state_dict().items()}

@@ -66,13 +66,17 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   ctas_ = 2 * sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
   if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_), rank_,
+        "cudaDeviceGetAttribute");
+  push_mode_ = major >= 9 ? cuda_ipc::PushMode::kBulk : cuda_ipc::PushMode::kElement;
   if (const char* env = std::getenv("ODC_CUDA_PUSH")) {
     const std::string mode(env);
     if (mode != "bulk" && mode != "element") {
       throw OdcError("odc: rank " + std::to_string(rank_) + ": ODC_CUDA_PUSH=" + mode +
                      " is not one of bulk, element");
     }
-    push_mode_ = mode == "bulk" ? cuda_ipc::PushMode::kBulk : cuda_ipc::PushMode::kElement;
+    if (mode == "element") push_mode_ = cuda_ipc::PushMode::kElement;
   }
   control_.connect(rdv, prefix + "/ctl", layout.controlOnly(), timeout);
   check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(cuda_ipc::DeviceError),

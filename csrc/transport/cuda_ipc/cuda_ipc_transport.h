@@ -15,8 +15,9 @@
 //    host memory, and the host raises at the next keyed call, Work::wait or the barrier), then
 //    one kernel over all peers copies with 16-byte loads over NVLink. A key's later gathers in
 //    the same minibatch on the same stream launch the copy only (PeerRead::ready_known).
-//  - push: one kernel over all owners: 16-byte loads and remote vector reductions into each
-//    owner's accumulator.
+//  - push: one kernel over all owners: on sm_90 tiles widened into shared memory and added into
+//    each owner's accumulator by bulk reductions (cp.reduce.async.bulk), elsewhere 16-byte
+//    loads and remote vector reductions.
 // Failures end in seconds, however many ops are queued: every wait of an op compares against
 // the op's absolute deadline (host deadline + a host-to-%globaltimer offset calibrated at connect
 // and at every barrier) and polls an abort word in mapped host memory; once one wait failed or
@@ -132,7 +133,8 @@ class CudaIpcTransport : public Transport {
   // ODC_CUDA_FUSED=0 falls back to per-peer copy-engine reads and per-peer push kernels.
   int ctas_ = 0;
   bool fused_ = true;
-  // ODC_CUDA_PUSH=bulk|element (kernels.h PushMode).
+  // kernels.h PushMode: kBulk on sm_90 and later, unless ODC_CUDA_PUSH=element (ODC_CUDA_PUSH=bulk
+  // on an older GPU still runs the element path).
   cuda_ipc::PushMode push_mode_ = cuda_ipc::PushMode::kElement;
   std::chrono::milliseconds timeout_{0};
   size_t bytes_ = 0;

@@ -309,11 +309,10 @@ __global__ void __launch_bounds__(kBulkThreads)
   }
 }
 
-// The bulk push needs sm_90, a 16-byte aligned source and accumulator, and one whole tile.
-bool bulkPushFits(const PushArgs& args, size_t numel, int device) {
-  static int major = -1;
-  if (major < 0) cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (major < 9 || numel < static_cast<size_t>(kBulkTile)) return false;
+// The bulk push needs a 16-byte aligned source and accumulator and one whole tile (and sm_90: the
+// transport asks for it only there).
+bool bulkPushFits(const PushArgs& args, size_t numel) {
+  if (numel < static_cast<size_t>(kBulkTile)) return false;
   for (int i = 0; i < args.count; ++i) {
     if (reinterpret_cast<uintptr_t>(args.dst[i]) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(args.src[i]) % 16 != 0) {
@@ -402,9 +401,7 @@ void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale,
                    const uint32_t* stop, int ctas, PushMode mode, cudaStream_t stream) {
   if (args.count == 0) return;
-  int device = 0;
-  if (mode == PushMode::kBulk && cudaGetDevice(&device) == cudaSuccess &&
-      bulkPushFits(args, numel, device)) {
+  if (mode == PushMode::kBulk && bulkPushFits(args, numel)) {
     const size_t tiles = numel / kBulkTile;
     const dim3 grid(static_cast<unsigned>(std::max<size_t>(
                         1, std::min<size_t>(tiles, std::max(1, ctas / args.count)))),

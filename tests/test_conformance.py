@@ -129,6 +129,11 @@ def reference(cfg, plan, world, norms: list | None = None) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
         zero_grad(opt, cfg)
+        if cfg.get("eval_forward"):  # an evaluation between minibatches: forward, no backward
+            with torch.no_grad():
+                model.eval()
+                loss_of(model, samples(100 + mb, 1)[0].to(next(model.parameters()).device))
+                model.train()
     return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
@@ -187,7 +192,8 @@ def train(rank, world, cfg, plan):
 
     def build():
         model = sharded(cfg, world)
-        handle = torch_odc.attach(model) if cfg.get("attach", True) else None
+        handle = (torch_odc.attach(model, eager_publish=cfg.get("eager", True))
+                  if cfg.get("attach", True) else None)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
                               momentum=0.9)
         return model, handle, opt
@@ -208,6 +214,11 @@ def train(rank, world, cfg, plan):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
         zero_grad(opt, cfg)
+        if cfg.get("eval_forward"):  # an evaluation between minibatches: forward, no backward
+            with torch.no_grad():
+                model.eval()
+                loss_of(model, samples(100 + mb, 1)[0].to(next(model.parameters()).device))
+                model.train()
         if cfg.get("dcp") and mb == 0:  # checkpoint, start over from it, re-attach
             path = os.path.join(cfg["dcp"], "ckpt")
             dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=path)
@@ -252,6 +263,18 @@ CASES = {
     "no-sync": ({"no_sync": True, "branch": True}, 2, 2e-5),
     "clip": ({"clip": 0.05}, 2, 2e-5),
     "tied-weights": ({"tied": True}, 2, 2e-5),
+    # A forward without backward after each optimizer step (an evaluation). FSDP2 reshards a
+    # unit with reshard_after_forward=False (accelerate's [norm, lm_head]) only in post-backward,
+    # which a rank with no microbatch in the next minibatch never runs; clipping over
+    # model.parameters() then met the unsharded parameters. Also published lazily (no
+    # unshard/reshard of every unit at the first forward).
+    "eval-forward-between-minibatches": ({"eval_forward": True, "norm": "affine",
+                                          "units": [["norm", "head"]],
+                                          "reshard_after_forward": False, "clip": 0.05}, 2, 2e-5),
+    "eval-forward-between-minibatches-w4": ({"eval_forward": True, "eager": False,
+                                              "norm": "affine", "units": [["norm", "head"]],
+                                              "reshard_after_forward": False, "clip": 0.05},
+                                             4, 2e-5),
     "no-reshard": ({"reshard_after_forward": False, "branch": True}, 2, 2e-5),
     # .grad is a view of the accumulator after the barrier: zeroed in place, or kept (then the
     # next minibatch's gradient adds to it, parameters without one keep it).
@@ -303,7 +326,7 @@ GPU_CASES = ["fp32-w2", "wide-fp32", "wide-bf16-reduce-fp32", "wide-bf16-reduce-
              "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
              "grads-kept-across-steps", "unit-norm-head-and-block-pair-w4",
              "unit-norm-head-no-reshard-bf16-w4", "unit-tied-emb-head",
-             "unit-without-trainable-params"]
+             "unit-without-trainable-params", "eval-forward-between-minibatches"]
 
 
 # The push's other path (on sm_90 the bulk path is the default): the wide cases again.

@@ -281,3 +281,70 @@ def test_a_collective_per_microbatch_in_compute_loss_is_named_not_hung():
     assert time.monotonic() - start < 200.0
     assert errors[1] is not None and "different numbers of collectives" in errors[1], errors
     assert "ALLREDUCE" in errors[1], errors[1]
+
+
+# ---- evaluation while attached ------------------------------------------------------------------
+
+# The Trainer weighs a distributed evaluation batch's loss by the batch's label tokens over all
+# ranks: 2 ranks with one sequence each evaluate like one process with the two in one batch.
+EVAL_SEQUENCES = 4
+
+
+def _evaluate_every_step(odc: bool) -> dict:
+    """Full fine-tuning with an evaluation after every optimizer step."""
+    from transformers import Trainer, TrainingArguments
+
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    rng = random.Random("eval")
+    evals = [{"input_ids": [2 + rng.randrange(VOCAB - 2) for _ in range(rng.randint(5, 20))]}
+             for _ in range(EVAL_SEQUENCES)]
+    args = {**common_args(odc), "eval_strategy": "steps", "eval_steps": 1,
+            "per_device_eval_batch_size": 1 if odc else WORLD}
+    cls = odc_trainer(Trainer) if odc else Trainer
+    extra = {"odc": ODCConfig(max_tokens_per_microbatch=40, planner=planner)} if odc else {}
+    trainer = cls(model=build_model(False), args=TrainingArguments(**args),
+                  train_dataset=[{"input_ids": s} for s in sequences()], eval_dataset=evals,
+                  data_collator=collate, **extra)
+    trainer.train()
+    return {"params": full_params(trainer.model), "logs": trainer.state.log_history,
+            "odc_steps": getattr(trainer, "odc_steps", None)}
+
+
+def _evaluate_every_step_odc(rank, world):
+    _set_rank_env(rank, world)
+    return _evaluate_every_step(True)
+
+
+def _evaluate_every_step_reference(rank, world):
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    os.environ.update(OFFLINE)
+    return _evaluate_every_step(False)
+
+
+def test_evaluation_after_every_step_while_attached_matches_the_one_process_trainer():
+    """eval_strategy="steps": an evaluation (forwards without backward) after every optimizer
+    step, between two ODC minibatches, with counts [3, 1] then [0, 4]. FSDP2 keeps the root
+    unsharded after a forward until a backward, which rank 0 (no microbatch in step 2) never
+    ran: its clipping then saw the unsharded parameters (no .grad) and the ranks' norm
+    collectives differed. Every logged loss, grad norm and evaluation loss, and the parameters,
+    equal the one-process trainer's."""
+    want = run_ranks(1, _evaluate_every_step_reference, backend="gloo", timeout=600)[0]
+    got = run_ranks(WORLD, _evaluate_every_step_odc, timeout=600)
+
+    def logged(logs, key):
+        return [(h["step"], h[key]) for h in logs if key in h]
+
+    assert [s for s, _ in logged(want["logs"], "eval_loss")] == [1, 2, 3]
+    for rank, out in enumerate(got):
+        assert [s["microbatches"] for s in out["odc_steps"]][:2] == WANT_COUNTS
+        for key in ("loss", "grad_norm", "eval_loss"):
+            mine, ref = logged(out["logs"], key), logged(want["logs"], key)
+            assert [s for s, _ in mine] == [s for s, _ in ref], (rank, key, mine, ref)
+            assert [v for _, v in mine] == pytest.approx([v for _, v in ref], rel=1e-5), (
+                rank, key, mine, ref)
+        for name, ref in want["params"].items():
+            torch.testing.assert_close(out["params"][name], ref, rtol=0, atol=ATOL,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

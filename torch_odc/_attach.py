@@ -343,6 +343,12 @@ class Handle:
         if self._replicate is not None:
             got_grad = self._reduce_across_replicas(got_grad)
         for index, key in enumerate(self._keys):
+            # A unit a forward without backward left unsharded (an evaluation, a root with
+            # reshard_after_forward=False) on a rank that then ran no microbatch: FSDP2 reshards
+            # only in post-backward, so the unsharded parameters would stay registered on the
+            # module (clipping and the optimizer would see them, without .grad) and be reused,
+            # stale, after the optimizer step. Reshard as post-backward would have.
+            key.unit.module.reshard()
             _finalize(key, got_grad[index])
             _fsdp2.drop_partial_reduce_output(key.unit)
         self._barrier_done, self._stepped = True, set()

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(512)
   for (size_t i = done + tid; i < numel; i += stride) atomicAdd(dst + i, toFloat(src[i]) * scale);
 }
 
-// ---- the bulk push (sm_90): whole tiles reduced into the accumulator by the copy engine ----
+// ---- the bulk push (sm_90): whole tiles reduced into the accumulator by the TMA unit ----
 //
 // Each block widens and scales a tile of the source into shared memory, and one thread hands the
 // tile to cp.reduce.async.bulk (.add.f32): the tensor memory accelerator adds it into the owner's
@@ -237,6 +237,8 @@ __device__ __forceinline__ void bulkReduceAddF32(float* dst, const float* smem, 
       "r"(s), "r"(bytes)
       : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#else
+  __trap();  // never launched below sm_90 (the transport picks the element path there)
 #endif
 }
 

@@ -1,0 +1,45 @@
+"""ODC inside the Hugging Face ``Trainer`` and TRL's trainers: LB-Mini plans per optimizer
+step, any number of microbatches per rank (zero included), one barrier per step.
+
+    import torch_odc
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    dist.init_process_group("odc")          # before TrainingArguments / SFTConfig
+    args = SFTConfig(..., fsdp=True, fsdp_config={"version": 2})
+    trainer = odc_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds,
+                                      odc=ODCConfig(max_tokens_per_microbatch=8192))
+    trainer.train()
+
+Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
+attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, ...).
+:func:`odc_trainer` picks the adapter from the trainer class.
+"""
+
+from __future__ import annotations
+
+from ._core import ODCConfig, ODCStep, ODCTrainerMixin
+from .sft import ODCSFTTrainerMixin
+
+__all__ = ["ODCConfig", "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer"]
+
+
+def _adapter(trainer_class: type) -> type:
+    """The most specific adapter for ``trainer_class`` (TRL's trainers are optional)."""
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        return ODCTrainerMixin
+    if issubclass(trainer_class, SFTTrainer):
+        return ODCSFTTrainerMixin
+    return ODCTrainerMixin
+
+
+def odc_trainer(trainer_class: type) -> type:
+    """``trainer_class`` with ODC mixed in: ``odc_trainer(Trainer)``, ``odc_trainer(SFTTrainer)``
+    (or a subclass of either). The result takes ``odc=ODCConfig(...)`` as well."""
+    from transformers import Trainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"odc_trainer: {trainer_class!r} is not a transformers.Trainer subclass")
+    mixin = _adapter(trainer_class)
+    return type(f"ODC{trainer_class.__name__}", (mixin, trainer_class), {})

@@ -37,6 +37,7 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import math
@@ -111,15 +112,40 @@ class ODCStep:
 
 
 class _LBMini:
-    """The default planner (a class, not a closure: DataLoader workers may pickle it)."""
+    """The default planner (a class, not a closure: DataLoader workers may pickle it).
+
+    ``costs``, when given, are the rows' modeled costs (a row of several sequences, such as a
+    preference pair, costs the sum of its sequences' costs, which a nonlinear cost model does
+    not give for the summed length); the token cap still applies to ``lengths``."""
 
     def __init__(self, config: ODCConfig):
         self.config = config
 
-    def __call__(self, lengths, world_size, step):
+    def __call__(self, lengths, world_size, step, costs=None):
         c = self.config
-        return balance.plan(lengths, world_size, c.max_tokens_per_microbatch, mode="mini",
-                            cost=c.cost, **c.cost_args).microbatches
+        if costs is None:
+            return balance.plan(lengths, world_size, c.max_tokens_per_microbatch, mode="mini",
+                                cost=c.cost, **c.cost_args).microbatches
+        cap = c.max_tokens_per_microbatch
+        result = balance._plan_arrays(array.array("q", lengths), array.array("d", costs),
+                                      world_size, cap, "mini")
+        if result.oversized and cap > 1:
+            balance._warn_oversized(len(result.oversized), cap, stacklevel=2)
+        return result.microbatches
+
+
+def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig) -> list[float] | None:
+    """Per row, the sum of its sequences' modeled costs; None when every row is one sequence
+    (LB-Mini then costs the lengths itself)."""
+    if all(len(r) == 1 for r in rows):
+        return None
+    flat = [n for r in rows for n in r]
+    seq = balance._cost_array(balance._lengths_array(flat), config.cost, config.cost_args)
+    out, at = [], 0
+    for r in rows:
+        out.append(math.fsum(seq[at:at + len(r)]))
+        at += len(r)
+    return out
 
 
 def _checked_plan(plan, n: int, world: int, step: int) -> list:
@@ -155,8 +181,8 @@ class _StepData(torch.utils.data.Dataset):
     Runs in the DataLoader's workers when there are any; holds no trainer."""
 
     def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
-                 drop_last):
-        self.dataset, self.collate, self.lengths = dataset, collate, lengths
+                 drop_last, costs=None):
+        self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
         self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self._orders: dict[int, list[int]] = {}
@@ -185,7 +211,11 @@ class _StepData(torch.utils.data.Dataset):
         epoch, step = key
         ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
         lengths = [self.lengths[i] for i in ids]
-        plan = _checked_plan(self.planner(lengths, self.world, step), len(ids), self.world, step)
+        if self.costs is not None and isinstance(self.planner, _LBMini):
+            plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
+        else:
+            plan = self.planner(lengths, self.world, step)
+        plan = _checked_plan(plan, len(ids), self.world, step)
         mine = [[ids[j] for j in mb] for mb in plan[self.rank]]
         batches = [self.collate([self.dataset[i] for i in mb]) for mb in mine]
         return ODCStep(batches, [len(p) for p in plan], mine, epoch, step)
@@ -266,6 +296,7 @@ class ODCTrainerMixin:
         self._odc_handle = None
         self._odc_in_step = False
         self._odc_sums: dict[str, float] = {}
+        self._odc_totals: dict[str, float] = {}
         self.odc_steps: list[dict] = []
         from transformers import TrainerCallback
 
@@ -367,6 +398,14 @@ class ODCTrainerMixin:
 
     # -- data ----------------------------------------------------------------------------------
 
+    def _odc_row_lengths(self, dataset) -> list[tuple[int, ...]]:
+        """Per training row, the token lengths of the sequences it becomes in a microbatch (one
+        for a language-modeling row). A step's rows are planned by their summed length against
+        the token cap, and by the sum of their sequences' costs; a row is never split.
+        Adapters whose rows have no ``input_ids`` (preference pairs) override this."""
+        key = getattr(self.model, "main_input_name", "input_ids")
+        return [(n,) for n in _sequence_lengths(dataset, key)]
+
     def get_train_dataloader(self):
         dataset = self.train_dataset
         if dataset is None:
@@ -374,12 +413,15 @@ class ODCTrainerMixin:
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError("torch_odc.integrations.hf: the training dataset must have a length "
                              "(LB-Mini plans each step from its sequences' lengths)")
-        key = getattr(self.model, "main_input_name", "input_ids")
+        rows = [tuple(int(n) for n in r) for r in self._odc_row_lengths(dataset)]
+        if len(rows) != len(dataset):
+            raise ValueError(f"torch_odc.integrations.hf: {len(rows)} row lengths for a training "
+                             f"dataset of {len(dataset)} rows")
         args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
             self._get_collator_with_removed_columns(self.data_collator, description="training"),
-            _sequence_lengths(dataset, key),
+            [sum(r) for r in rows],
             self._odc_sequences_per_step,
             args.world_size,
             args.process_index,
@@ -387,6 +429,7 @@ class ODCTrainerMixin:
             shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
+            costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
         )
         return _StepLoader(
             steps, batch_size=None, sampler=_StepKeys(steps), collate_fn=_identity,
@@ -409,6 +452,13 @@ class ODCTrainerMixin:
             raise ValueError("torch_odc.integrations.hf: a microbatch without 'labels': the "
                              "step's token count (the loss's denominator) needs them")
         return int(labels.ne(IGNORE_INDEX).sum())
+
+    def _odc_step_totals(self, step: ODCStep) -> dict[str, float]:
+        """This rank's sums of the quantities the loss divides by, over its microbatches of the
+        step (none included); ``training_step`` all-reduces them once, before the first forward,
+        into ``self._odc_totals``. ``"label_tokens"``, when present, becomes the Trainer's
+        ``num_items_in_batch``."""
+        return {"label_tokens": sum(self._odc_label_tokens(b) for b in step.microbatches)}
 
     def _odc_input_tokens(self, batch) -> int:
         main = getattr(self.model, "main_input_name", "input_ids")
@@ -452,11 +502,15 @@ class ODCTrainerMixin:
             raise TypeError("torch_odc.integrations.hf: training_step expects an ODCStep from the "
                             "module's own train dataloader, got " + type(inputs).__name__)
         step = inputs
-        # The loss's denominator: the step's label tokens over all ranks, known before the
-        # first forward (every rank calls this once per step, also with no microbatch).
-        (label_tokens,) = self._odc_all_reduce([sum(self._odc_label_tokens(b)
-                                                    for b in step.microbatches)])
-        num_items = torch.tensor(label_tokens, dtype=torch.float32, device=self.args.device)
+        # The loss's denominators (the step's label tokens, ...) over all ranks, known before
+        # the first forward (every rank calls this once per step, also with no microbatch).
+        local = self._odc_step_totals(step)
+        self._odc_totals = (dict(zip(local, self._odc_all_reduce(list(local.values())),
+                                     strict=True)) if local else {})
+        num_items = None
+        if "label_tokens" in self._odc_totals:
+            num_items = torch.tensor(self._odc_totals["label_tokens"], dtype=torch.float32,
+                                     device=self.args.device)
         keys = self._odc_metric_keys()
         self._odc_sums = dict.fromkeys(keys, 0.0)
         total = torch.zeros((), device=self.args.device)
@@ -475,7 +529,7 @@ class ODCTrainerMixin:
                 [self._odc_sums[k] for k in keys]), strict=True)))
         self.odc_steps.append({"epoch": step.epoch, "step": step.step,
                                "microbatches": list(step.counts),
-                               "label_tokens": int(label_tokens)})
+                               **{k: int(v) for k, v in self._odc_totals.items()}})
         return total.detach()
 
     def floating_point_ops(self, inputs) -> int:

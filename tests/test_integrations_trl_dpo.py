@@ -56,10 +56,12 @@ CASES = {
                             "ref": None},
     "precompute": {"config": {"loss_type": ["sigmoid"], "precompute_ref_log_probs": True},
                    "model": "full", "ref": None},
-    "mpo_ld": {"config": {"loss_type": ["sigmoid", "bco_pair", "sft"],
-                          "loss_weights": [0.8, 0.2, 1.0], "ld_alpha": 0.5},
-               "model": "full", "ref": "model"},
+    # Every step planned by the default LB-Mini, a pair costing its two sequences' FLOPs.
+    "mpo_ld_lbmini": {"config": {"loss_type": ["sigmoid", "bco_pair", "sft"],
+                                 "loss_weights": [0.8, 0.2, 1.0], "ld_alpha": 0.5},
+                      "model": "full", "ref": "model", "planner": "lbmini"},
 }
+FLOPS = {"num_params": 5e4, "num_layers": 2, "hidden_size": 32}
 
 
 def words(rng, n):
@@ -156,7 +158,11 @@ def train(case: str, odc: bool, data_dir: str | None = None) -> dict:
     model = build_model("full" if spec["model"] == "peft_config" else spec["model"])
     ref = build_model("full", seed=1) if spec["ref"] == "model" else None
     cls = odc_trainer(DPOTrainer) if odc else DPOTrainer
-    extra = {"odc": ODCConfig(max_tokens_per_microbatch=CAP, planner=planner)} if odc else {}
+    extra = {}
+    if odc and spec.get("planner") == "lbmini":
+        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP, cost="flops", cost_args=FLOPS)
+    elif odc:
+        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP, planner=planner)
     if spec["model"] == "peft_config":
         from peft import LoraConfig
 
@@ -273,8 +279,11 @@ def test_dpo_with_odc_matches_plain_trl(case):
         for name, value in out["initial"].items():
             assert torch.equal(value, initial[name]), f"rank {rank}: initial {name} differs"
         counts = [s["microbatches"] for s in out["odc_steps"]]
-        assert counts[:2] == WANT_COUNTS and len(counts) == STEPS, counts
-        assert sum(counts[2]) >= 2, counts
+        assert len(counts) == STEPS and all(sum(c) >= 2 for c in counts), counts
+        if CASES[case].get("planner") != "lbmini":
+            assert counts[:2] == WANT_COUNTS, counts
+        else:
+            assert counts == [c["microbatches"] for c in odc[0][case]["odc_steps"]]
         assert all(s["pairs"] == PER_DEVICE * WORLD for s in out["odc_steps"])
         assert out["trainable"] == want["trainable"]
         if CASES[case]["model"] != "full":
@@ -406,3 +415,25 @@ def test_every_loss_type_is_trls_for_any_split(name):
             torch.testing.assert_close(got["grads"][param], grad, rtol=1e-5,
                                        atol=2e-5 * largest,
                                        msg=lambda m, p=param, s=split: f"{s} {p}: {m}")
+
+
+def test_lbmini_costs_a_pair_as_its_two_sequences():
+    """The core plans a row of several sequences by their summed length against the token cap
+    and by the sum of their costs; a nonlinear cost of the summed length would overstate a
+    pair's attention cost."""
+    from torch_odc import balance
+    from torch_odc.integrations.hf import ODCConfig
+    from torch_odc.integrations.hf._core import _LBMini, _row_costs
+
+    config = ODCConfig(max_tokens_per_microbatch=CAP, cost="flops", cost_args=FLOPS)
+    rows = [(30, 12), (9, 40), (25, 25), (3, 4), (50, 8), (7, 7)]
+    costs = _row_costs(rows, config)
+    assert costs == [pytest.approx(balance.flops_cost(a, **FLOPS) + balance.flops_cost(b, **FLOPS))
+                     for a, b in rows]
+    assert costs[0] < balance.flops_cost(42, **FLOPS)
+    assert _row_costs([(5,), (7,)], config) is None  # one sequence a row: LB-Mini costs it
+    plan = _LBMini(config)([sum(r) for r in rows], WORLD, 0, costs=costs)
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(rows)))
+    for rank in plan:
+        for mb in rank:
+            assert len(mb) == 1 or sum(sum(rows[i]) for i in mb) <= CAP, (mb, rows)

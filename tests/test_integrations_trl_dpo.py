@@ -123,13 +123,13 @@ def planner(lengths, world, step):
     return balance.plan(lengths, world, CAP, mode="mini").microbatches
 
 
-def dpo_args(odc: bool, **overrides):
+def dpo_args(odc: bool, cuda: bool = False, **overrides):
     from trl import DPOConfig
 
     args = {"output_dir": tempfile.mkdtemp(prefix="odc-dpo-"), "num_train_epochs": 1,
             "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
             "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
-            "use_cpu": True, "train_sampling_strategy": "sequential", "seed": 0,
+            "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
             "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
             "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD,
             "beta": 0.1,
@@ -142,9 +142,10 @@ def dpo_args(odc: bool, **overrides):
     return DPOConfig(**args)
 
 
-def train(case: str, odc: bool, data_dir: str | None = None) -> dict:
-    """One DPO training run of `case`, with `odc` on this rank of the odc group, else alone.
-    Returns the full parameters, the per-step logs and ODC's step records."""
+def train(case: str, odc: bool, data_dir: str | None = None, cuda: bool = False) -> dict:
+    """One DPO training run of `case`, with `odc` on this rank of the odc group, else alone;
+    on CPU or the current GPU. Returns the full parameters (on CPU), the per-step logs and
+    ODC's step records."""
     import datasets
     from trl import DPOTrainer
 
@@ -157,6 +158,10 @@ def train(case: str, odc: bool, data_dir: str | None = None) -> dict:
         dataset = datasets.Dataset.from_list(rows())
     model = build_model("full" if spec["model"] == "peft_config" else spec["model"])
     ref = build_model("full", seed=1) if spec["ref"] == "model" else None
+    if cuda and spec["config"].get("precompute_ref_log_probs"):
+        # Under accelerate's FSDP (GPUs) TRL would load the precompute's reference from the
+        # model's name; a copy of the initial policy is what it uses without FSDP.
+        ref = build_model(spec["model"])
     cls = odc_trainer(DPOTrainer) if odc else DPOTrainer
     extra = {}
     if odc and spec.get("planner") == "lbmini":
@@ -169,9 +174,9 @@ def train(case: str, odc: bool, data_dir: str | None = None) -> dict:
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                           target_modules=["q_proj", "v_proj"],
                                           task_type="CAUSAL_LM")
-    trainer = cls(model=model, ref_model=ref, args=dpo_args(odc, **spec["config"]),
+    trainer = cls(model=model, ref_model=ref, args=dpo_args(odc, cuda, **spec["config"]),
                   train_dataset=dataset, processing_class=tokenizer(), **extra)
-    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return {"params": full_params(trainer.model), "initial": initial,
             "trainable": sorted(n for n, p in trainer.model.named_parameters()
@@ -212,19 +217,24 @@ REFUSALS = {
     "sync_ref_model": ({"sync_ref_model": True}, "full", "sync_ref_model"),
     "precompute_in_memory": ({"precompute_ref_log_probs": True}, "full", "save_to_disk"),
 }
+# On GPUs accelerate shards a separate reference model (TRL's prepare_fsdp): its forward in
+# every microbatch would be a collective.
+GPU_REFUSALS = {
+    "sharded_ref_model": ({"loss_type": ["sigmoid"]}, "full", "reference model is sharded"),
+}
 
 
-def _refusal(name: str) -> str | None:
+def _refusal(name: str, cuda: bool = False) -> str | None:
     import datasets
     from trl import DPOTrainer
 
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
-    overrides, kind, _ = REFUSALS[name]
+    overrides, kind, _ = {**REFUSALS, **GPU_REFUSALS}[name]
     ref = build_model("full", seed=1) if not overrides.get("precompute_ref_log_probs") else None
     try:
         odc_trainer(DPOTrainer)(model=build_model(kind), ref_model=ref,
-                                args=dpo_args(True, **overrides),
+                                args=dpo_args(True, cuda, **overrides),
                                 train_dataset=datasets.Dataset.from_list(rows(8)),
                                 processing_class=tokenizer(),
                                 odc=ODCConfig(max_tokens_per_microbatch=CAP))
@@ -233,7 +243,7 @@ def _refusal(name: str) -> str | None:
     return None
 
 
-def _odc_ranks(rank, world, cases, data_dir):
+def _odc_ranks(rank, world, cases, data_dir, cuda=False):
     import datasets
     import torch.distributed as dist
 
@@ -243,35 +253,62 @@ def _odc_ranks(rank, world, cases, data_dir):
     dist.barrier()
     out = {case: train(case, odc=True,
                        data_dir=data_dir if CASES[case]["config"].get("precompute_ref_log_probs")
-                       else None)
+                       else None, cuda=cuda)
            for case in cases}
-    out["refusals"] = {name: _refusal(name) for name in REFUSALS}
-    out["splits"] = {name: odc_batch(SPLITS[rank], **spec) for name, spec in SPLIT_CASES.items()}
+    if cuda:
+        out["refusals"] = {name: _refusal(name, cuda) for name in GPU_REFUSALS}
+    else:
+        out["refusals"] = {name: _refusal(name) for name in REFUSALS}
+        out["splits"] = {name: odc_batch(SPLITS[rank], **spec)
+                         for name, spec in SPLIT_CASES.items()}
     return out
 
 
-def _reference(rank, world, cases):
+def _reference(rank, world, cases, cuda=False):
     import torch.distributed as dist
 
     dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
     os.environ.update(OFFLINE)
-    out = {case: train(case, odc=False) for case in cases}
-    out["splits"] = {name: trl_batch(**spec) for name, spec in SPLIT_CASES.items()}
+    out = {case: train(case, odc=False, cuda=cuda) for case in cases}
+    if not cuda:
+        out["splits"] = {name: trl_batch(**spec) for name, spec in SPLIT_CASES.items()}
     return out
 
 
 @functools.cache
-def runs():
-    cases = list(CASES)
-    reference = run_ranks(1, _reference, cases, backend="gloo", timeout=600)[0]
+def runs(cases: tuple = tuple(CASES), cuda: bool = False):
+    # On one GPU the 2 ranks share it: the trainer's own CUDA collectives (grad norm, loss and
+    # precompute gathers) go through Gloo, since NCCL refuses two ranks on one device.
+    env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
+    reference = run_ranks(1, _reference, list(cases), cuda, backend="gloo", timeout=600,
+                          cuda=cuda)[0]
     with tempfile.TemporaryDirectory(prefix="odc-dpo-data-") as tmp:
-        odc = run_ranks(WORLD, _odc_ranks, cases, os.path.join(tmp, "pairs"), timeout=600)
+        odc = run_ranks(WORLD, _odc_ranks, list(cases), os.path.join(tmp, "pairs"), cuda,
+                        timeout=600, cuda=cuda, env=env)
     return reference, odc
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dpo_with_odc_matches_plain_trl(case):
-    reference, odc = runs()
+    check(case, *runs())
+
+
+# GPU: accelerate wraps with FSDP2 itself; a separate reference model is refused there.
+GPU_CASES = ["ipo_lora", "sigmoid_peft_config", "precompute"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (2 ranks share one)")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_dpo_with_odc_on_gpu_matches_plain_trl(case):
+    reference, odc = runs((case,), cuda=True)  # one attach per process group on CUDA
+    check(case, reference, odc)
+    for rank, out in enumerate(odc):
+        for name, (_, _, words_) in GPU_REFUSALS.items():
+            err = out["refusals"][name]
+            assert err is not None and words_ in err, (rank, name, err)
+
+
+def check(case, reference, odc):
     want = reference[case]
     initial = want["initial"]
     for rank, out in enumerate(r[case] for r in odc):

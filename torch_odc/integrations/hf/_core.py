@@ -488,6 +488,22 @@ class ODCTrainerMixin:
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         super().log(logs, start_time)
 
+    def _odc_unshard_output_head(self) -> None:
+        """Unshards the LM head's FSDP unit before a training forward whose loss multiplies by
+        ``lm_head.weight`` without calling ``lm_head`` (TRL's ``fused_lm_head``). A weight still
+        sharded there (a DTensor) TRL gathers with ``full_tensor()``: a collective in every
+        forward, which ranks with different microbatch counts cannot all call. That happens
+        when no module of the head's unit runs a forward: accelerate shards ``[final norm,
+        lm_head]`` as one unit, but finds no final norm in a PEFT model and shards ``lm_head``
+        alone. FSDP2's public ``unshard()`` (under ODC a one-sided read; a no-op when the unit
+        is unsharded) leaves the weight a plain tensor; FSDP2 reshards the unit after the
+        backward, the barrier at the latest."""
+        from torch.distributed.fsdp import FSDPModule
+
+        head = self.accelerator.unwrap_model(self.model).get_output_embeddings()
+        if isinstance(head, FSDPModule):
+            head.unshard()
+
     @staticmethod
     def _odc_all_reduce(values: list[float]) -> list[float]:
         """One all-reduce of a small CPU float64 vector: under "odc" it runs on Gloo, also for

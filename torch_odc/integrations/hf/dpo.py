@@ -33,7 +33,7 @@ PAIRWISE_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robus
                        "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
 # Types that couple the pairs of a microbatch: their value depends on how pairs are split.
 _COUPLED = {
-    "aot": "sorts the microbatch's log-ratio differences and pairs them up by rank",
+    "aot": "sorts the microbatch's log-ratio differences and pairs them up in sorted order",
     "aot_unpaired": "sorts the microbatch's chosen and rejected log-ratios separately",
 }
 # The token mean of the chosen completions' NLL: ODC divides by the step's chosen tokens.
@@ -294,7 +294,7 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
-        self._odc_unshard_head()
+        self._odc_unshard_output_head()  # the fused LM head reads its weight directly
         out = model(**model_kwargs, labels=labels, fused_lm_head=True)
         per_token = out.log_probs[:, -seq_len:]
         chosen_logps, rejected_logps = self._odc_sequence_logps(per_token, shifted).chunk(2)
@@ -329,20 +329,6 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         self._odc_add_metrics(inputs, out, shifted, seq_len, chosen_lr, rejected_lr,
                               chosen_logps, rejected_logps)
         return loss
-
-    def _odc_unshard_head(self) -> None:
-        """TRL's fused LM head multiplies by ``lm_head.weight`` without calling ``lm_head``; a
-        still sharded weight (a DTensor) it gathers with ``full_tensor()``, a collective in
-        every forward. That happens when the head is an FSDP unit no module of which runs a
-        forward: accelerate shards ``[final norm, lm_head]`` together, but finds no final norm
-        in a PEFT model and shards ``lm_head`` alone. Unsharding that unit first (FSDP2's
-        public ``unshard``; under ODC a one-sided read) leaves the weight a plain tensor; FSDP2
-        reshards it after the backward, and the barrier does at the latest."""
-        from torch.distributed.fsdp import FSDPModule
-
-        head = self.accelerator.unwrap_model(self.model).get_output_embeddings()
-        if isinstance(head, FSDPModule):
-            head.unshard()
 
     @torch.no_grad()
     def _odc_add_metrics(self, inputs, out, shifted, seq_len, chosen_lr, rejected_lr,

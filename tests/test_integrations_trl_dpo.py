@@ -4,11 +4,14 @@ included), against the unmodified DPOTrainer in one process with the same global
 microbatch of 6 pairs per step, no FSDP). Checks the loss (1e-6 relative), grad_norm, every
 metric TRL logs (rewards, margins, accuracies, log-probs, logits, entropy, token accuracy,
 token count) and the final parameters, for ``sigmoid`` with a separate reference model, ``ipo``
-with a LoRA adapter (reference = adapter disabled), ``precompute_ref_log_probs`` and a combined
-``[sigmoid, bco_pair, sft]`` loss with weights and ``ld_alpha``. Every other loss type, the
-f-divergences and WPO weighting are checked per microbatch split against TRL's own loss and
-gradient in one process. The refusals are checked on the 2 ranks. A tiny Llama from a config,
-a word-level tokenizer built in memory: nothing is downloaded."""
+with a peft model (TRL's frozen "ref" adapter), ``sigmoid`` with ``peft_config`` (reference =
+adapter disabled), ``precompute_ref_log_probs`` and a combined ``[sigmoid, bco_pair, sft]`` loss
+with weights and ``ld_alpha`` planned by the default LB-Mini. Every loss type, the
+f-divergences, ``ld_alpha``, WPO weighting and MPO are also checked per microbatch split (each
+rank computes one split of the same 6 pairs on its own) against TRL's own loss, gradient and
+metrics for the batch. The refusals are checked on the 2 ranks. GPU variants (2 ranks sharing
+one GPU) skip without a GPU. A tiny Llama from a config, a word-level tokenizer built in
+memory: nothing is downloaded."""
 
 import functools
 import os

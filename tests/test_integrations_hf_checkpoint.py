@@ -38,7 +38,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from multiproc import run_ranks
-from test_integrations_hf import OFFLINE, build_model, full_params, tokenizer
+from test_integrations_hf import OFFLINE, build_model, collate, full_params, tokenizer
 
 WORLD = 2
 PER_DEVICE = 3  # 6 sequences per step
@@ -58,6 +58,10 @@ FIXED_PLANS = {
     3: [[[0, 1, 2], [3, 4, 5]], []],
 }
 STATE_DICT_TYPES = ["FULL_STATE_DICT", "SHARDED_STATE_DICT"]
+_rng = random.Random("eval")
+EVAL = [{"input_ids": [2 + _rng.randrange(VOCAB - 2) for _ in range(_rng.randint(5, 20))]}
+        for _ in range(4)]
+BEST_IS_GREATER = False
 
 
 def sequences() -> list[list[int]]:
@@ -232,23 +236,24 @@ def test_save_and_resume_with_two_ranks_sharing_one_gpu(state_dict_type):
     check(state_dict_type, *runs(state_dict_type, "shared"))
 
 
-# ---- a save inside an optimizer step --------------------------------------------------------
+# ---- a save inside an optimizer step; the best model at the end ---------------------------------
 
 
 def _save_inside_the_step(rank, world, output_dir):
-    """In the first microbatch of step 1 each rank tries the Trainer's checkpoint save and
-    save_model; a callback asks for a save after step 1 the Trainer's way."""
-    from transformers import TrainerCallback
-    from trl import SFTTrainer
+    """The plain Trainer (full fine-tuning), 2 steps with an evaluation after each. In the
+    first microbatch of step 1 each rank tries the Trainer's checkpoint save and save_model; a
+    callback asks for a save after step 1 the Trainer's way (save_steps=2 saves after step 2).
+    load_best_model_at_end loads the checkpoint with the better eval_loss."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from torch_odc.integrations.hf import odc_trainer
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     _set_rank_env(rank, world)
     refused = []
 
-    class SavesInside(odc_trainer(SFTTrainer)):
+    class SavesInside(odc_trainer(Trainer)):
         def compute_loss(self, model, inputs, **kwargs):
-            if self.state.global_step == 0 and not refused:
+            if self.state.global_step == 0 and self.model.training and not refused:
                 for call in (lambda: self._save_checkpoint(model, None), self.save_model):
                     try:
                         call()
@@ -261,17 +266,36 @@ def _save_inside_the_step(rank, world, output_dir):
         def on_step_begin(self, args, state, control, **kwargs):
             control.should_save = state.global_step == 0
 
-    args = sft_args(output_dir, "SHARDED_STATE_DICT", False, max_steps=2, save_strategy="no")
-    trainer = make_trainer(args, cls=SavesInside, callbacks=[SaveAfterStepOne()])
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=2, learning_rate=LR, max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1, save_strategy="steps", save_steps=2, eval_strategy="steps",
+        eval_steps=1, per_device_eval_batch_size=1, load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=BEST_IS_GREATER, report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, per_device_train_batch_size=PER_DEVICE,
+        fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+    trainer = SavesInside(model=build_model(False), args=args, data_collator=collate,
+                          train_dataset=[{"input_ids": s} for s in sequences()],
+                          eval_dataset=EVAL, callbacks=[SaveAfterStepOne()],
+                          odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner))
     trainer.train()
-    return {"refused": refused,
+    return {"refused": refused, "params": full_params(trainer.model),
             "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint")),
+            "best": trainer.state.best_model_checkpoint,
+            "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
             "counts": [s["microbatches"] for s in trainer.odc_steps]}
 
 
-def test_a_save_inside_an_optimizer_step_is_refused_and_should_save_saves_after_it():
+def test_saves_inside_a_step_are_refused_should_save_saves_after_it_the_best_model_loads():
+    """Inside the step (rank 0 at the first of 3 microbatches, rank 1 at its only one) both
+    saves raise, naming the rank, the step and what to do, before any file or collective; the
+    run goes on. The callback's checkpoint-1 is written after the step. At the end the Trainer
+    loads the best checkpoint (step 1's: with greater_is_better its larger eval_loss) into the
+    sharded model: the final parameters are checkpoint-1's, not step 2's."""
     output_dir = tempfile.mkdtemp(prefix="odc-hf-inside-")
     results = run_ranks(WORLD, _save_inside_the_step, output_dir, timeout=300)
+    best = os.path.join(output_dir, "checkpoint-1")
+    step1 = _dcp_model(os.path.join(best, "pytorch_model_fsdp_0"))
+    step2 = _dcp_model(os.path.join(output_dir, "checkpoint-2", "pytorch_model_fsdp_0"))
     for rank, out in enumerate(results):
         assert out["counts"] == [[3, 1], [0, 4]], out["counts"]
         assert len(out["refused"]) == 2 and all(out["refused"]), out["refused"]
@@ -280,6 +304,11 @@ def test_a_save_inside_an_optimizer_step_is_refused_and_should_save_saves_after_
             assert "inside optimizer step 1" in err and "[3, 1]" in err, err
             assert "minibatch_barrier()" in err and "control.should_save" in err, err
         # Nothing written inside the step; the callback's save came after step 1.
-        assert out["checkpoints"] == ["checkpoint-1"], out["checkpoints"]
-    listing = os.listdir(os.path.join(output_dir, "checkpoint-1"))
-    assert "pytorch_model_fsdp_0" in listing and "optimizer_0" in listing, listing
+        assert out["checkpoints"] == ["checkpoint-1", "checkpoint-2"], out["checkpoints"]
+        first, second = out["eval_loss"]
+        assert (first > second) == BEST_IS_GREATER, out["eval_loss"]  # step 1 is the best
+        assert out["best"] == best, out["best"]
+        assert sorted(out["params"]) == sorted(step1)
+        for name, ref in step1.items():
+            assert torch.equal(out["params"][name], ref), name
+        assert max((step2[n] - step1[n]).abs().max().item() for n in step1) > 1e-3

@@ -383,7 +383,7 @@ class ODCTrainerMixin:
         if self.accelerator.mixed_precision != "no":
             plugin.set_mixed_precision(self.accelerator.mixed_precision)
         fsdp2_prepare_model(_AcceleratorWithPlugin(self.accelerator, plugin), self.model)
-        self._odc_fsdp_plugin_cpu = plugin  # checkpoints go through it (see _odc_fsdp_plugin)
+        self._odc_fsdp_plugin_cpu = plugin  # checkpoints go through it (odc_fsdp_plugin)
         # accelerate's own mark of what it prepared: prepare() then leaves the model as it is.
         self.model._is_accelerate_prepared = True
 
@@ -450,9 +450,12 @@ class ODCTrainerMixin:
 
         return any(isinstance(m, FSDPModule) for m in self.model.modules())
 
-    def _odc_fsdp_plugin(self):
-        """accelerate's FSDP plugin: the accelerator's, or on CPU ranks (where accelerate drops
-        it) the one the module sharded the model with."""
+    @property
+    def odc_fsdp_plugin(self):
+        """accelerate's FSDP plugin the checkpoints go through: the accelerator's, or on CPU
+        ranks (where accelerate drops it) the one the module sharded the model with; None
+        before the model is sharded. E.g. ``trainer.odc_fsdp_plugin.set_state_dict_type(
+        "FULL_STATE_DICT")`` before a final ``save_model`` of a run checkpointed sharded."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         return plugin if plugin is not None else self._odc_fsdp_plugin_cpu
 
@@ -462,7 +465,7 @@ class ODCTrainerMixin:
         the others in their next collective)."""
         if getattr(self.accelerator.state, "fsdp_plugin", None) is not None:
             return self.accelerator
-        return _AcceleratorWithPlugin(self.accelerator, self._odc_fsdp_plugin_cpu)
+        return _AcceleratorWithPlugin(self.accelerator, self.odc_fsdp_plugin)
 
     def _odc_check_save_point(self, what: str) -> None:
         """Refuses a checkpoint between this rank's first microbatch of an optimizer step and
@@ -492,7 +495,7 @@ class ODCTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         # The Trainer's FSDP2 branch: a full state dict for save_pretrained (a collective), none
         # with SHARDED_STATE_DICT (the checkpoint holds the model as DCP shards).
-        if "FULL_STATE_DICT" in str(self._odc_fsdp_plugin().state_dict_type):
+        if "FULL_STATE_DICT" in str(self.odc_fsdp_plugin.state_dict_type):
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -514,7 +517,7 @@ class ODCTrainerMixin:
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
         from transformers.trainer import SCHEDULER_NAME, get_fsdp_ckpt_kwargs
 
-        plugin = self._odc_fsdp_plugin()
+        plugin = self.odc_fsdp_plugin
         accelerator = self._odc_fsdp_accelerator()
         save_fsdp_model(plugin, accelerator, self.model, output_dir, **get_fsdp_ckpt_kwargs())
         save_fsdp_optimizer(plugin, accelerator, self.optimizer, self.model, output_dir)
@@ -527,7 +530,7 @@ class ODCTrainerMixin:
             from accelerate.utils import load_fsdp_model
             from transformers.trainer import get_fsdp_ckpt_kwargs
 
-            load_fsdp_model(self._odc_fsdp_plugin(), self._odc_fsdp_accelerator(),
+            load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(),
                             model if model is not None else self.model, resume_from_checkpoint,
                             **get_fsdp_ckpt_kwargs())
             return None
@@ -563,7 +566,7 @@ class ODCTrainerMixin:
                 raise ValueError(f"torch_odc.integrations.hf: {checkpoint} holds a non-FSDP "
                                  "optimizer state; it cannot resume an FSDP2 model")
             return None
-        load_fsdp_optimizer(self._odc_fsdp_plugin(), self._odc_fsdp_accelerator(), self.optimizer,
+        load_fsdp_optimizer(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.optimizer,
                             self.model, checkpoint, **get_fsdp_ckpt_kwargs())
         self.lr_scheduler.load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
@@ -575,7 +578,7 @@ class ODCTrainerMixin:
         from accelerate.utils import load_fsdp_model
         from transformers.trainer import get_fsdp_ckpt_kwargs
 
-        load_fsdp_model(self._odc_fsdp_plugin(), self._odc_fsdp_accelerator(), self.model,
+        load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.model,
                         self.state.best_model_checkpoint, **get_fsdp_ckpt_kwargs())
         return None
 

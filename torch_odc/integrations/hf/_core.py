@@ -33,6 +33,12 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
   wrap the model in DDP): the subclass then shards the model itself with accelerate's own
   ``fsdp2_prepare_model`` and the plugin built from ``args.fsdp_config``, before the optimizer is
   created, and marks it prepared so that accelerate does not wrap it again.
+* Checkpoints are the Trainer's own (``save_strategy``, ``resume_from_checkpoint``, FULL or
+  SHARDED ``state_dict_type``): its checkpoint methods call accelerate's FSDP2 checkpoint
+  functions with accelerate's plugin, or on CPU ranks with the module's; the step loader skips
+  trained steps on resume (one key per step) and each step checks its position; state the
+  adapter carries across steps (TRL's token count) goes into ``trainer_state.json``. A save
+  inside an optimizer step (before its barrier) is refused.
 """
 
 from __future__ import annotations

@@ -33,6 +33,12 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
   wrap the model in DDP): the subclass then shards the model itself with accelerate's own
   ``fsdp2_prepare_model`` and the plugin built from ``args.fsdp_config``, before the optimizer is
   created, and marks it prepared so that accelerate does not wrap it again.
+* Checkpoints are the Trainer's own (``save_strategy``, ``resume_from_checkpoint``, FULL or
+  SHARDED ``state_dict_type``): its checkpoint methods call accelerate's FSDP2 checkpoint
+  functions with accelerate's plugin, or on CPU ranks with the module's; the step loader skips
+  trained steps on resume (one key per step) and each step checks its position; state the
+  adapter carries across steps (TRL's token count) goes into ``trainer_state.json``. A save
+  inside an optimizer step (before its barrier) is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import array
 import copy
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -222,6 +229,13 @@ class _StepData(torch.utils.data.Dataset):
 
 
 class _StepKeys(torch.utils.data.Sampler):
+    """The loader's batch sampler: one batch per optimizer step, holding the step's one key
+    (epoch, step). Being a batch sampler is what lets the Trainer resume mid-epoch: its
+    ``skip_first_batches`` wraps it in a sampler that drops the first k batches (keys only: the
+    skipped steps are neither planned nor collated) and reaches ``set_epoch`` through it. The
+    steps that follow are planned exactly as in the uninterrupted run: a step's plan is a
+    function of (epoch, step) and the dataset only."""
+
     def __init__(self, steps: _StepData):
         self.steps, self.epoch = steps, 0
 
@@ -232,18 +246,20 @@ class _StepKeys(torch.utils.data.Sampler):
         return self.steps.num_steps()
 
     def __iter__(self):
-        return iter([(self.epoch, s) for s in range(len(self))])
+        return iter([[(self.epoch, s)] for s in range(len(self))])
 
 
 class _StepLoader(torch.utils.data.DataLoader):
     """A DataLoader of ODCSteps; the Trainer calls set_epoch on it before every epoch."""
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.batch_sampler.set_epoch(epoch)
 
 
-def _identity(x):
-    return x
+def _only(items):
+    """The collate function of the step loader: a batch is one ODCStep."""
+    (step,) = items
+    return step
 
 
 def _sequence_lengths(dataset, key: str) -> list[int]:
@@ -257,13 +273,26 @@ def _sequence_lengths(dataset, key: str) -> list[int]:
     return [len(dataset[i][key]) for i in range(len(dataset))]
 
 
+class _WithPlugin:
+    """An accelerate state object with the FSDP plugin set; everything else the real one's."""
+
+    def __init__(self, state, plugin):
+        self._state, self.fsdp_plugin = state, plugin
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
 class _AcceleratorWithPlugin:
-    """What ``accelerate.utils.fsdp2_prepare_model`` reads from an Accelerator, with the FSDP
-    plugin that accelerate's CPU state does not keep: everything else is the real one's."""
+    """The Accelerator as accelerate's FSDP2 functions (``fsdp2_prepare_model``, the FSDP
+    checkpoint functions) read it, with the FSDP plugin that accelerate's CPU state does not
+    keep and ``is_fsdp2``: everything else is the real one's."""
+
+    is_fsdp2 = True
 
     def __init__(self, accelerator, plugin):
         self._accelerator = accelerator
-        self.state = type("_State", (), {"fsdp_plugin": plugin})()
+        self.state = _WithPlugin(accelerator.state, plugin)
 
     def __getattr__(self, name):
         return getattr(self._accelerator, name)
@@ -294,22 +323,37 @@ class ODCTrainerMixin:
         args.include_num_input_tokens_seen = "no"
         self.args = args
         self._odc_handle = None
-        self._odc_in_step = False
+        self._odc_in_step = False  # in this rank's microbatches (compute_loss's ODC path)
+        self._odc_step_in_progress: ODCStep | None = None  # from training_step to its barrier
         self._odc_sums: dict[str, float] = {}
         self._odc_totals: dict[str, float] = {}
+        self._odc_fsdp_plugin_cpu = None  # the plugin of the module's own sharding (CPU ranks)
+        self._odc_model_checkpoint = None  # CPU ranks: a model to load once sharded
+        self._odc_steps_per_epoch: int | None = None
         self.odc_steps: list[dict] = []
         from transformers import TrainerCallback
+        from transformers.trainer_callback import ExportableState
 
         owner = self
 
-        class _Attach(TrainerCallback):
+        # A class per trainer, closing over it: with restore_callback_states_from_checkpoint the
+        # Trainer re-creates stateful callbacks from their class without arguments.
+        class ODCTrainerCallback(TrainerCallback, ExportableState):
+            """Attaches at train begin, detaches at train end; its state (saved by the Trainer
+            in every checkpoint's trainer_state.json) is the adapter's, see
+            ``_odc_checkpoint_state``."""
+
             def on_train_begin(self, args, state, control, **kwargs):
                 owner._odc_attach()
 
             def on_train_end(self, args, state, control, **kwargs):
                 owner._odc_detach()
 
-        self.add_callback(_Attach())
+            def state(self) -> dict:
+                return {"args": {}, "attributes": {"odc": owner._odc_checkpoint_state()}}
+
+        self._odc_callback_name = ODCTrainerCallback.__name__
+        self.add_callback(ODCTrainerCallback())
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -376,6 +420,7 @@ class ODCTrainerMixin:
         if self.accelerator.mixed_precision != "no":
             plugin.set_mixed_precision(self.accelerator.mixed_precision)
         fsdp2_prepare_model(_AcceleratorWithPlugin(self.accelerator, plugin), self.model)
+        self._odc_fsdp_plugin_cpu = plugin  # checkpoints go through it (odc_fsdp_plugin)
         # accelerate's own mark of what it prepared: prepare() then leaves the model as it is.
         self.model._is_accelerate_prepared = True
 
@@ -431,12 +476,188 @@ class ODCTrainerMixin:
             drop_last=args.dataloader_drop_last,
             costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
         )
+        self._odc_steps_per_epoch = steps.num_steps()
         return _StepLoader(
-            steps, batch_size=None, sampler=_StepKeys(steps), collate_fn=_identity,
+            steps, batch_sampler=_StepKeys(steps), collate_fn=_only,
             num_workers=workers, pin_memory=args.dataloader_pin_memory,
             persistent_workers=bool(workers and args.dataloader_persistent_workers),
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    #
+    # The Trainer saves and resumes an FSDP2 model through accelerate's FSDP checkpoint functions
+    # (save_fsdp_model / save_fsdp_optimizer / load_fsdp_*) with accelerate's FSDP plugin. On CPU
+    # ranks accelerate has no plugin (MULTI_CPU): the Trainer would take its non-FSDP branches and
+    # write the model's DTensor shards through safetensors on rank 0 alone (which fails on their
+    # storage-less wrappers, and rank 1 goes on into the next step's collectives), then resume
+    # into an unsharded model. These methods make the Trainer's FSDP2 calls with the plugin the
+    # module sharded the model with; on GPUs with accelerate's own, so both take one path.
+
+    def _odc_sharded(self) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(m, FSDPModule) for m in self.model.modules())
+
+    @property
+    def odc_fsdp_plugin(self):
+        """accelerate's FSDP plugin the checkpoints go through: the accelerator's, or on CPU
+        ranks (where accelerate drops it) the one the module sharded the model with; None
+        before the model is sharded. E.g. ``trainer.odc_fsdp_plugin.set_state_dict_type(
+        "FULL_STATE_DICT")`` before a final ``save_model`` of a run checkpointed sharded."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return plugin if plugin is not None else self._odc_fsdp_plugin_cpu
+
+    def _odc_fsdp_accelerator(self):
+        """The accelerator for accelerate's FSDP checkpoint functions: on CPU ranks one that
+        says FSDP2 (``load_fsdp_model`` otherwise returns early on every rank but 0, leaving
+        the others in their next collective)."""
+        if getattr(self.accelerator.state, "fsdp_plugin", None) is not None:
+            return self.accelerator
+        return _AcceleratorWithPlugin(self.accelerator, self.odc_fsdp_plugin)
+
+    def _odc_check_save_point(self, what: str) -> None:
+        """Refuses a checkpoint between this rank's first microbatch of an optimizer step and
+        the step's barrier: the gradients are complete only at the barrier, and the other ranks
+        are elsewhere in their microbatches (any number, zero included), so a save there, a
+        collective, would not line up."""
+        step = self._odc_step_in_progress
+        if step is None:
+            return
+        rank = self.args.process_index
+        raise RuntimeError(
+            f"torch_odc.integrations.hf: rank {rank}: {what} inside optimizer step "
+            f"{self.state.global_step + 1} (epoch {step.epoch}, step {step.step}; microbatches "
+            f"per rank {step.counts}), before its torch_odc.minibatch_barrier(). Under ODC the "
+            "step's gradients are reduced only at the barrier and the other ranks are at other "
+            "microbatches, so nothing was saved. Let the Trainer save after the step: set "
+            "control.should_save = True in a callback (e.g. on_step_end); it saves on every "
+            "rank after the barrier and the optimizer step.")
+
+    def _save_checkpoint(self, model, trial):
+        self._odc_check_save_point("a checkpoint save (_save_checkpoint)")
+        super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self._odc_check_save_point("save_model")
+        if not self._odc_sharded():
+            return super().save_model(output_dir, _internal_call)
+        # The Trainer's FSDP2 branch: a full state dict for save_pretrained (a collective), none
+        # with SHARDED_STATE_DICT (the checkpoint holds the model as DCP shards).
+        if "FULL_STATE_DICT" in str(self.odc_fsdp_plugin.state_dict_type):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                       cpu_offload=True)
+            state_dict = get_model_state_dict(self.model, options=options)
+            self._save(output_dir if output_dir is not None else self.args.output_dir,
+                       state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self._odc_check_save_point("saving the optimizer")
+        if not self._odc_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+        from transformers.trainer import SCHEDULER_NAME, get_fsdp_ckpt_kwargs
+
+        plugin = self.odc_fsdp_plugin
+        accelerator = self._odc_fsdp_accelerator()
+        save_fsdp_model(plugin, accelerator, self.model, output_dir, **get_fsdp_ckpt_kwargs())
+        save_fsdp_optimizer(plugin, accelerator, self.optimizer, self.model, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._odc_sharded():
+            from accelerate.utils import load_fsdp_model
+            from transformers.trainer import get_fsdp_ckpt_kwargs
+
+            load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(),
+                            model if model is not None else self.model, resume_from_checkpoint,
+                            **get_fsdp_ckpt_kwargs())
+            return None
+        if self._odc_shards_itself():
+            # train() loads before anything is prepared when accelerate has no FSDP plugin; the
+            # module shards the model only in create_optimizer: it is loaded into the sharded
+            # model right before the optimizer (_load_optimizer_and_scheduler).
+            self._odc_model_checkpoint = resume_from_checkpoint
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._odc_sharded():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._odc_model_checkpoint is not None:
+            model_checkpoint, self._odc_model_checkpoint = self._odc_model_checkpoint, None
+            self._load_from_checkpoint(model_checkpoint)
+        from accelerate.utils import load_fsdp_optimizer
+        from transformers.trainer import (
+            OPTIMIZER_NAME,
+            OPTIMIZER_NAME_BIN,
+            SCHEDULER_NAME,
+            get_fsdp_ckpt_kwargs,
+        )
+
+        # As the Trainer: a checkpoint without optimizer state (save_only_model) loads the model.
+        names = os.listdir(checkpoint)
+        has_optimizer = OPTIMIZER_NAME_BIN in names or any(
+            n.startswith(OPTIMIZER_NAME_BIN.split(".")[0])
+            and os.path.isdir(os.path.join(checkpoint, n)) for n in names)
+        if not (has_optimizer and SCHEDULER_NAME in names):
+            if OPTIMIZER_NAME in names:
+                raise ValueError(f"torch_odc.integrations.hf: {checkpoint} holds a non-FSDP "
+                                 "optimizer state; it cannot resume an FSDP2 model")
+            return None
+        load_fsdp_optimizer(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.optimizer,
+                            self.model, checkpoint, **get_fsdp_ckpt_kwargs())
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        return None
+
+    def _load_best_model(self) -> None:
+        if not self._odc_sharded():
+            return super()._load_best_model()
+        from accelerate.utils import load_fsdp_model
+        from transformers.trainer import get_fsdp_ckpt_kwargs
+
+        load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.model,
+                        self.state.best_model_checkpoint, **get_fsdp_ckpt_kwargs())
+        return None
+
+    def _odc_checkpoint_state(self) -> dict:
+        """What the adapter carries across a save and resume besides the Trainer's own state
+        (model, optimizer, scheduler, RNG, TrainerState with the global step and
+        ``num_input_tokens_seen``): JSON values, the same on every rank (rank 0's are written,
+        into trainer_state.json's ``stateful_callbacks``). Adapters add theirs."""
+        return {}
+
+    def _odc_restore_checkpoint_state(self, state: dict) -> None:
+        """Restores what :meth:`_odc_checkpoint_state` returned, when resuming."""
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                             resume_from_checkpoint, trial):
+        out = super()._init_training_state(max_steps, num_update_steps_per_epoch,
+                                           num_train_epochs, resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None:
+            saved = self.state.stateful_callbacks.get(self._odc_callback_name)
+            if isinstance(saved, list):
+                saved = saved[0]
+            if saved is None or "odc" not in saved.get("attributes", {}):
+                import warnings
+
+                warnings.warn(f"torch_odc.integrations.hf: {resume_from_checkpoint} has no ODC "
+                              "state (not saved by odc_trainer): metrics the trainer "
+                              "accumulates across steps restart from zero", stacklevel=2)
+            else:
+                self._odc_restore_checkpoint_state(saved["attributes"]["odc"])
+        return out
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -518,6 +739,9 @@ class ODCTrainerMixin:
             raise TypeError("torch_odc.integrations.hf: training_step expects an ODCStep from the "
                             "module's own train dataloader, got " + type(inputs).__name__)
         step = inputs
+        self._odc_check_position(step)
+        # Until the barrier returns, a checkpoint is refused (see _odc_check_save_point).
+        self._odc_step_in_progress = step
         # The loss's denominators (the step's label tokens, ...) over all ranks, known before
         # the first forward (every rank calls this once per step, also with no microbatch).
         local = self._odc_step_totals(step)
@@ -540,6 +764,7 @@ class ODCTrainerMixin:
             self._odc_in_step = False
         # After this rank's last backward, before the Trainer clips and takes the grad norm.
         torch_odc.minibatch_barrier()
+        self._odc_step_in_progress = None
         if keys:
             self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
                 [self._odc_sums[k] for k in keys]), strict=True)))
@@ -547,6 +772,24 @@ class ODCTrainerMixin:
                                "microbatches": list(step.counts),
                                **{k: int(v) for k, v in self._odc_totals.items()}})
         return total.detach()
+
+    def _odc_check_position(self, step: ODCStep) -> None:
+        """The step the loader handed out must be the one the Trainer is at: after a resume the
+        loader skips the steps already trained (``skip_first_batches``) and is set to the
+        resumed epoch. A mismatch would silently train on other sequences than the
+        uninterrupted run."""
+        per_epoch = self._odc_steps_per_epoch
+        if not per_epoch or self.args.ignore_data_skip:  # resumes at the epoch's start
+            return
+        epoch, at = divmod(self.state.global_step, per_epoch)
+        if (step.epoch, step.step) != (epoch, at):
+            raise RuntimeError(
+                f"torch_odc.integrations.hf: rank {self.args.process_index}: the step loader "
+                f"handed out epoch {step.epoch} step {step.step}, but the Trainer is at global "
+                f"step {self.state.global_step} (epoch {epoch}, step {at} of {per_epoch}): the "
+                "loader was not positioned for the resumed run (skip_first_batches and "
+                "set_epoch of transformers' resume path). Training on would silently use other "
+                "sequences than the uninterrupted run.")
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, ODCStep):

@@ -40,12 +40,22 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
         self._total_train_tokens += int(sums["tokens"]) // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
 
+    def _odc_checkpoint_state(self) -> dict:
+        # TRL's num_tokens is a running total kept on the trainer (TRL itself restarts it at
+        # zero on resume); the per-step averages are logged every logging_steps.
+        return {**super()._odc_checkpoint_state(), "total_train_tokens": self._total_train_tokens}
+
+    def _odc_restore_checkpoint_state(self, state: dict) -> None:
+        super()._odc_restore_checkpoint_state(state)
+        self._total_train_tokens = int(state["total_train_tokens"])
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (self._odc_in_step and self.model.training):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         if return_outputs:
             raise NotImplementedError("torch_odc.integrations.hf: return_outputs in training")
+        self._odc_unshard_output_head()  # the fused LM head reads its weight directly
         inputs["use_cache"] = False
         outputs = model(**inputs, fused_lm_head=True)
         per_token_loss = -outputs.log_probs  # zero where the label is ignored

@@ -11,32 +11,37 @@ step, any number of microbatches per rank (zero included), one barrier per step.
     trainer.train()
 
 Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
-attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, ...).
-:func:`odc_trainer` picks the adapter from the trainer class.
+attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.grpo`,
+...). :func:`odc_trainer` picks the adapter from the trainer class.
 """
 
 from __future__ import annotations
 
 from ._core import ODCConfig, ODCStep, ODCTrainerMixin
+from .grpo import ODCGRPOConfig, ODCGRPOTrainerMixin
 from .sft import ODCSFTTrainerMixin
 
-__all__ = ["ODCConfig", "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer"]
+__all__ = ["ODCConfig", "ODCGRPOConfig", "ODCGRPOTrainerMixin", "ODCSFTTrainerMixin", "ODCStep",
+           "ODCTrainerMixin", "odc_trainer"]
 
 
 def _adapter(trainer_class: type) -> type:
     """The most specific adapter for ``trainer_class`` (TRL's trainers are optional)."""
     try:
-        from trl import SFTTrainer
+        from trl import GRPOTrainer, SFTTrainer
     except ImportError:
         return ODCTrainerMixin
+    if issubclass(trainer_class, GRPOTrainer):
+        return ODCGRPOTrainerMixin
     if issubclass(trainer_class, SFTTrainer):
         return ODCSFTTrainerMixin
     return ODCTrainerMixin
 
 
 def odc_trainer(trainer_class: type) -> type:
-    """``trainer_class`` with ODC mixed in: ``odc_trainer(Trainer)``, ``odc_trainer(SFTTrainer)``
-    (or a subclass of either). The result takes ``odc=ODCConfig(...)`` as well."""
+    """``trainer_class`` with ODC mixed in: ``odc_trainer(Trainer)``, ``odc_trainer(SFTTrainer)``,
+    ``odc_trainer(GRPOTrainer)`` (or a subclass of one). The result takes ``odc=ODCConfig(...)``
+    as well."""
     from transformers import Trainer
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):

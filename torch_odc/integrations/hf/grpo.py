@@ -351,6 +351,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         lengths = [n for other in infos for n in other["lengths"]]
         plan = _checked_plan(planner(lengths, world, step), len(lengths), world, step)
         owner = [r for r in range(world) for _ in infos[r]["lengths"]]
+        if self.odc.planner is None:  # LB-Mini's rank labels are arbitrary: keep rows in place
+            plan = _keep_in_place(plan, owner, world)
         # Rows travel in the order of the destination's plan; the receiver reads them back by
         # that order, per source, from the global plan it computed itself.
         send = [[] for _ in range(world)]
@@ -664,6 +666,27 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 self._last_world_entropy = world_entropy
             metrics["entropy_coef"].append(self.entropy_coef)
         return counts, rollouts
+
+
+def _keep_in_place(plan: list, owner: list[int], world: int) -> list:
+    """The plan's per-rank shares given to the ranks that already hold most of their rows
+    (greedily, largest overlap first): the same balance, fewer rows moved. Depends only on its
+    inputs, so every rank computes the same."""
+    overlap = [[0] * world for _ in range(world)]  # [share][rank]
+    for share, micros in enumerate(plan):
+        for micro in micros:
+            for pos in micro:
+                overlap[share][owner[pos]] += 1
+    pairs = sorted((-overlap[s][r], s, r) for s in range(world) for r in range(world))
+    rank_of, taken = {}, set()
+    for _, share, rank in pairs:
+        if share not in rank_of and rank not in taken:
+            rank_of[share] = rank
+            taken.add(rank)
+    out = [None] * world
+    for share, rank in rank_of.items():
+        out[rank] = plan[share]
+    return out
 
 
 def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:

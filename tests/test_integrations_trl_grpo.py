@@ -280,6 +280,29 @@ def refusals() -> dict:
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    # At the first step: a field in TRL's batch that the adapter cannot lay out per rollout.
+    base = fixed_trainer_class(1, False)
+
+    class ExtraField(base):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            out["pixel_values"] = torch.zeros(len(inputs), 3)
+            return out
+
+    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "use_cpu": True, "max_steps": 1,
+            "report_to": [], "per_device_train_batch_size": PER_DEVICE, "save_strategy": "no",
+            "num_generations": NUM_GEN, "max_completion_length": MAX_COMPLETION,
+            "fsdp": True, "fsdp_config": {"version": 2}}
+    trainer = odc_trainer(ExtraField)(
+        model=build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+        processing_class=tokenizer(), odc=ODCConfig(max_tokens_per_microbatch=CAP))
+    try:
+        trainer.train()
+        out["pixel_values"] = None
+    except ValueError as err:
+        out["pixel_values"] = str(err)
+        trainer._odc_detach()
     return out
 
 
@@ -347,3 +370,4 @@ def test_refusals_name_the_option():
         assert "top_entropy_quantile" in got["top_entropy_quantile"], got
         assert "include_num_input_tokens_seen" in got["include_num_input_tokens_seen"], got
         assert "fsdp" in got["fsdp"], got
+        assert "'pixel_values'" in got["pixel_values"], got

@@ -241,6 +241,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 else [[]]
             mine, counts, rollouts = plan[0], None, None
             meta = {(rank, k): v for k, v in meta.items()}
+            self._odc_moved = 0
         weights = self._odc_row_weights(rows, meta, g)
         self._odc_acc = self._odc_new_accumulators(g, rows.meta.device)
         total = torch.zeros((), device=self.args.device)
@@ -255,7 +256,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         torch_odc.minibatch_barrier()
         counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
         self.odc_steps.append({"step": step, "microbatches": counts, "rollouts": rollouts,
-                               "moved": getattr(self, "_odc_moved", 0)})
+                               "moved": self._odc_moved})
         return total.detach()
 
     # -- rows ----------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
     print(f"== {variant}: {shlex.join(cmd)}", flush=True)
     log.write(f"== {variant}: {shlex.join(cmd)}\n")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     log.write(proc.stdout + proc.stderr)
     log.flush()
     for line in proc.stdout.splitlines():

@@ -347,7 +347,9 @@ class Handle:
             # reshard_after_forward=False) on a rank that then ran no microbatch: FSDP2 reshards
             # only in post-backward, so the unsharded parameters would stay registered on the
             # module (clipping and the optimizer would see them, without .grad) and be reused,
-            # stale, after the optimizer step. Reshard as post-backward would have.
+            # stale, after the optimizer step. Reshard as post-backward would have, after ending
+            # a forward FSDP2 left unfinished (a unit one of whose modules never ran).
+            _fsdp2.end_unfinished_forward(key.unit)
             key.unit.module.reshard()
             _finalize(key, got_grad[index])
             _fsdp2.drop_partial_reduce_output(key.unit)

@@ -177,6 +177,25 @@ def drop_partial_reduce_output(unit: Unit) -> None:
         unit.group._partial_reduce_output = None
 
 
+def end_unfinished_forward(unit: Unit) -> None:
+    """Ends a forward that FSDP2 left unfinished for this unit, as its root post-backward
+    callback would. A ``fully_shard`` call over several modules runs its group post-forward only
+    once every module ran (``_register_group_forward_hooks``); when one never runs (an LM head
+    whose weight a fused loss reads directly: TRL's ``fused_lm_head``), torch 2.11 leaves the
+    group in FORWARD and the module set pending until a backward's final callback clears them
+    (2.15 completes such forwards at the root's post-forward). A rank that ran only forwards
+    (generation, an evaluation) then no microbatch never gets there: reshard() would keep a
+    reshard_after_forward=False unit unsharded and its next forward would skip the pre-forward."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = unit.module._get_fsdp_state()
+    state._modules_to_run_forward.clear()
+    if state._training_state == TrainingState.FORWARD:
+        state._training_state = TrainingState.IDLE
+    if unit.group._training_state == TrainingState.FORWARD:
+        unit.group._training_state = TrainingState.IDLE
+
+
 def device(unit: Unit) -> torch.device:
     return unit.group.device
 

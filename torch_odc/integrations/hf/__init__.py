@@ -11,27 +11,29 @@ step, any number of microbatches per rank (zero included), one barrier per step.
     trainer.train()
 
 Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
-attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.dpo`,
-...).
-:func:`odc_trainer` picks the adapter from the trainer class.
+attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.grpo`,
+:mod:`.dpo`). :func:`odc_trainer` picks the adapter from the trainer class.
 """
 
 from __future__ import annotations
 
 from ._core import ODCConfig, ODCStep, ODCTrainerMixin
 from .dpo import ODCDPOTrainerMixin
+from .grpo import ODCGRPOConfig, ODCGRPOTrainerMixin
 from .sft import ODCSFTTrainerMixin
 
-__all__ = ["ODCConfig", "ODCDPOTrainerMixin", "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin",
-           "odc_trainer"]
+__all__ = ["ODCConfig", "ODCDPOTrainerMixin", "ODCGRPOConfig", "ODCGRPOTrainerMixin",
+           "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer"]
 
 
 def _adapter(trainer_class: type) -> type:
     """The most specific adapter for ``trainer_class`` (TRL's trainers are optional)."""
     try:
-        from trl import DPOTrainer, SFTTrainer
+        from trl import DPOTrainer, GRPOTrainer, SFTTrainer
     except ImportError:
         return ODCTrainerMixin
+    if issubclass(trainer_class, GRPOTrainer):
+        return ODCGRPOTrainerMixin
     if issubclass(trainer_class, SFTTrainer):
         return ODCSFTTrainerMixin
     if issubclass(trainer_class, DPOTrainer):
@@ -41,8 +43,8 @@ def _adapter(trainer_class: type) -> type:
 
 def odc_trainer(trainer_class: type) -> type:
     """``trainer_class`` with ODC mixed in: ``odc_trainer(Trainer)``, ``odc_trainer(SFTTrainer)``,
-    ``odc_trainer(DPOTrainer)`` (or a subclass of one). The result takes ``odc=ODCConfig(...)``
-    as well."""
+    ``odc_trainer(GRPOTrainer)``, ``odc_trainer(DPOTrainer)`` (or a subclass of one). The result
+    takes ``odc=ODCConfig(...)`` as well."""
     from transformers import Trainer
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):

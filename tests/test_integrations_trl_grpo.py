@@ -1,0 +1,373 @@
+"""torch_odc.integrations.hf with TRL's GRPOTrainer on 2 CPU ranks (FSDP2, AdamW, clipping on,
+rollouts repacked per optimizer step into microbatches of uneven counts, zero included, with
+and without moving rollouts between ranks), against the unmodified GRPOTrainer on the same
+rollouts: one process with the same global batch, and, for the loss types and options whose
+normalization depends on each rank's own microbatches (bnpo, the entropy bonus), the unmodified
+trainer on 2 ranks (DDP over Gloo). Compared per step: loss, grad_norm and every metric TRL
+logs; then the final parameters.
+
+The same rollouts in every run: the test's GRPOTrainer subclass (used unchanged by the
+references and the ODC runs) returns fixed completions per (prompt, generation index) instead
+of sampling, and, where a step holds several TRL microbatches, hands out TRL's slices in a
+fixed order that puts in the one-process run's slice k exactly the rows of the 2 ranks' slices
+k (TRL shuffles each rank's generation batch with its own generator otherwise). Everything
+else -- TRL's rewards, advantages, old and reference log-probs, the loss and metrics of the
+references, the adapter's repacking, weights, barrier and metric reduction -- is the real code.
+A tiny Llama built from a config, a word-level tokenizer built in memory: nothing is
+downloaded."""
+
+import functools
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+trl = pytest.importorskip("trl")
+
+from multiproc import run_ranks
+
+WORLD = 2
+PER_DEVICE = 4  # rows per TRL microbatch and rank (the one-process reference: 8)
+NUM_GEN = 4
+STEPS = 3
+VOCAB = 48
+MAX_COMPLETION = 12
+LR = 0.1  # plain SGD: a parameter's difference is lr times its gradient's (Adam would blow
+MAX_GRAD_NORM = 0.5  # up float noise of near-zero gradient elements to ~lr)
+CAP = 24  # max_tokens_per_microbatch: a few rows per microbatch
+ATOL = 1e-6
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+# name: (GRPOConfig overrides, ODC options, aligned slice order, reference)
+#   reference "one": one process, same global batch; "ddp": unmodified TRL on 2 ranks.
+CASES = {
+    # The default loss; a step of 2 TRL microbatches; rank 0 runs no microbatch in step 0 (the
+    # test's planner gives all rollouts to rank 1), LB-Mini moves rollouts in the others.
+    "dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2}, {"rebalance": True}, True,
+             "one"),
+    # The KL term against a reference model; no moving (each rank packs its own rollouts).
+    "grpo_beta": ({"loss_type": "grpo", "beta": 0.2, "gradient_accumulation_steps": 2},
+                  {"rebalance": False}, True, "one"),
+    # Two optimizer steps per generation (old log-probs from the generation), TRL's own
+    # shuffle and buffering (one TRL microbatch per step: its order does not matter).
+    # The default planner (LB-Mini, its shares given to the ranks holding most of their rows).
+    "dr_grpo_iter2": ({"loss_type": "dr_grpo", "num_iterations": 2, "epsilon": 0.05},
+                      {"rebalance": True, "planner": None}, False, "one"),
+    # A generation spanning 2 optimizer steps (steps_per_generation 4, 2 TRL microbatches per
+    # step), sequence-level importance sampling, the KL term with its bias correction.
+    "cispo_spg": ({"loss_type": "cispo", "steps_per_generation": 4,
+                   "gradient_accumulation_steps": 2, "importance_sampling_level": "sequence",
+                   "beta": 0.1, "use_bias_correction_kl": True, "epsilon_high": 1.02},
+                  {"rebalance": True}, True, "one"),
+    "luspo_seq": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
+                   "num_iterations": 2, "gradient_accumulation_steps": 2},
+                  {"rebalance": True}, True, "one"),
+    "sapo_iter2": ({"loss_type": "sapo", "num_iterations": 2, "gradient_accumulation_steps": 2,
+                    "mask_truncated_completions": True},
+                   {"rebalance": False}, True, "one"),
+    # Normalized by each rank's own TRL microbatch (token count): only TRL on 2 ranks is the
+    # reference. With the adaptive entropy bonus (normalized per microbatch as well).
+    "bnpo_entropy": ({"loss_type": "bnpo", "gradient_accumulation_steps": 2, "num_iterations": 2,
+                      "epsilon": 0.05, "entropy_coef": 0.01, "use_adaptive_entropy": True,
+                      "entropy_target": 3.0},
+                     {"rebalance": True}, True, "ddp"),
+    # On-policy (VESPO's sequence weight sums the log-ratios of all tokens, which amplifies
+    # float noise beyond 1e-6 of the loss off-policy), with a static entropy bonus.
+    "vespo_entropy": ({"loss_type": "vespo", "gradient_accumulation_steps": 2,
+                       "entropy_coef": 0.02},
+                      {"rebalance": False}, True, "ddp"),
+}
+
+
+def prompts() -> list[str]:
+    rng = random.Random("test_integrations_trl_grpo")
+    return [" ".join(f"t{rng.randrange(2, VOCAB)}" for _ in range(rng.randint(2, 9)))
+            for _ in range(24)]
+
+
+def completion(prompt_ids: list[int], j: int) -> list[int]:
+    """The fixed completion of generation j of a prompt: 1 to MAX_COMPLETION tokens, ending with
+    EOS (1) when shorter than the maximum (some are truncated)."""
+    n = 1 + (sum(prompt_ids) * 5 + j * 7 + len(prompt_ids)) % MAX_COMPLETION
+    body = [2 + (prompt_ids[0] * 3 + j * 11 + t * (j + 2)) % (VOCAB - 2) for t in range(n)]
+    return body[:-1] + [1] if n < MAX_COMPLETION else body
+
+
+def reward(completion_ids, **kwargs):
+    return [(sum(c) % 7) / 7.0 + 0.05 * len(c) for c in completion_ids]
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, "t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
+                                   bos_token="t1")
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+
+
+@functools.cache
+def model_dir() -> str:
+    """The tiny Llama saved once, by the test process (not distributed: every rank of a group
+    would leave the writing to rank 0): TRL builds the reference model for beta > 0 from the
+    policy's path, so every run loads the model from there."""
+    path = tempfile.mkdtemp(prefix="odc-grpo-model-")
+    build_model().save_pretrained(path)
+    return path
+
+
+def fixed_trainer_class(sim_world: int, aligned: bool):
+    """The test's GRPOTrainer: fixed completions; with `aligned`, TRL's slices in an order that
+    makes the one-process run's slice k the union of the `sim_world` ranks' slices k."""
+    from trl import GRPOTrainer
+
+    class FixedGRPO(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            # Groups are num_generations consecutive rows and every rank's batch starts a group.
+            return [completion(list(p), i % num_generations)
+                    for i, p in enumerate(prompt_ids)], None
+
+        def _prepare_inputs(self, generation_batch):
+            if not (aligned and self.model.training):
+                return super()._prepare_inputs(generation_batch)
+            spg = self.args.steps_per_generation
+            if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+                batch = self._generate_and_score_completions(generation_batch)
+                n = batch["prompt_ids"].size(0)
+                chunk = n // sim_world  # one rank's generation batch
+                rows = chunk // spg  # one rank's TRL microbatch
+                gen = torch.Generator().manual_seed(1000 + self._step)
+                perm = torch.randperm(chunk, generator=gen).tolist()
+                order = [r * chunk + perm[k * rows + i]
+                         for k in range(spg) for r in range(sim_world) for i in range(rows)]
+                width = rows * sim_world
+                self._buffered_inputs = [
+                    {key: (v[order[k * width:(k + 1) * width]]
+                           if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                     for key, v in batch.items()} for k in range(spg)]
+            return self._buffered_inputs[self._step % spg]
+
+    return FixedGRPO
+
+
+def planner(lengths, world, step):
+    """LB-Mini, except in step 0 with 2 ranks: every rollout on rank 1, rank 0 runs nothing."""
+    from torch_odc import balance
+
+    if world == 2 and step == 0:
+        return [[], balance.plan(lengths, 1, CAP, mode="mini").microbatches[0]]
+    return balance.plan(lengths, world, CAP, mode="mini").microbatches
+
+
+def train(case: str, mode: str, path: str) -> dict:
+    """One run of `case`; mode "odc" (this rank of the odc group), "one" (one process) or
+    "ddp" (this rank, unmodified TRL)."""
+    import warnings
+
+    import datasets
+    from trl import GRPOConfig
+
+    from torch_odc import balance
+    from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer
+
+    overrides, odc_options, aligned, _ = CASES[case]
+    warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
+    world = WORLD if mode == "one" else 1
+    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "max_steps": STEPS,
+            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "sgd",
+            "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
+            "report_to": [], "use_cpu": True, "seed": 0, "disable_tqdm": True,
+            "dataloader_num_workers": 0, "bf16": False, "num_generations": NUM_GEN,
+            "max_completion_length": MAX_COMPLETION, "epsilon": 0.1,
+            "per_device_train_batch_size": PER_DEVICE * world, **overrides}
+    extra = {}
+    cls = fixed_trainer_class(world, aligned)
+    if mode == "odc":
+        args.update(fsdp=True, fsdp_config={"version": 2})
+        extra["odc"] = ODCGRPOConfig(**{"max_tokens_per_microbatch": CAP, "planner": planner,
+                                        **odc_options})
+        cls = odc_trainer(cls)
+    trainer = cls(model=path, reward_funcs=reward, args=GRPOConfig(**args),
+                  train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+                  processing_class=tokenizer(), **extra)
+    trainer.train()
+    return {"params": full_params(trainer.model),
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
+            "odc_steps": getattr(trainer, "odc_steps", None)}
+
+
+def full_params(model) -> dict:
+    """Every parameter, unsharded, on CPU (FSDP2 shards dim 0 in rank order)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model = getattr(model, "module", model)  # DDP
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu()
+             for n, p in model.named_parameters()}
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return local
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: local[n] for n in sharded})
+    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
+            for n, t in local.items()}
+
+
+def _set_rank_env(rank, world):
+    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29561")
+
+
+def _odc_ranks(rank, world, cases, path):
+    _set_rank_env(rank, world)
+    out = {case: train(case, "odc", path) for case in cases}
+    out["refusals"] = refusals()
+    return out
+
+
+def _ddp_ranks(rank, world, cases, path):
+    _set_rank_env(rank, world)
+    return {case: train(case, "ddp", path) for case in cases}
+
+
+def _one_process(rank, world, cases, path):
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
+    os.environ.update(OFFLINE)
+    return {case: train(case, "one", path) for case in cases}
+
+
+def refusals() -> dict:
+    """What the adapter refuses at construction: the message of each."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    out = {}
+    for name, option in (("top_entropy_quantile", {"top_entropy_quantile": 0.5}),
+                         ("include_num_input_tokens_seen",
+                          {"include_num_input_tokens_seen": "all"}),
+                         ("fsdp", {"fsdp": "", "fsdp_config": None})):
+        args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "use_cpu": True,
+                "report_to": [], "per_device_train_batch_size": PER_DEVICE,
+                "num_generations": NUM_GEN, "max_completion_length": MAX_COMPLETION,
+                "fsdp": True, "fsdp_config": {"version": 2}, **option}
+        try:
+            odc_trainer(GRPOTrainer)(
+                model=build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+                train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+                processing_class=tokenizer(), odc=ODCConfig(max_tokens_per_microbatch=CAP))
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    # At the first step: a field in TRL's batch that the adapter cannot lay out per rollout.
+    base = fixed_trainer_class(1, False)
+
+    class ExtraField(base):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            out["pixel_values"] = torch.zeros(len(inputs), 3)
+            return out
+
+    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "use_cpu": True, "max_steps": 1,
+            "report_to": [], "per_device_train_batch_size": PER_DEVICE, "save_strategy": "no",
+            "num_generations": NUM_GEN, "max_completion_length": MAX_COMPLETION,
+            "fsdp": True, "fsdp_config": {"version": 2}}
+    trainer = odc_trainer(ExtraField)(
+        model=build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+        processing_class=tokenizer(), odc=ODCConfig(max_tokens_per_microbatch=CAP))
+    try:
+        trainer.train()
+        out["pixel_values"] = None
+    except ValueError as err:
+        out["pixel_values"] = str(err)
+        trainer._odc_detach()
+    return out
+
+
+@functools.cache
+def runs():
+    one = tuple(c for c, v in CASES.items() if v[3] == "one")
+    ddp = tuple(c for c, v in CASES.items() if v[3] == "ddp")
+    path = model_dir()
+    reference = run_ranks(1, _one_process, one, path, backend="gloo", timeout=600)[0]
+    reference.update(run_ranks(WORLD, _ddp_ranks, ddp, path, backend="gloo", timeout=600)[0])
+    odc = run_ranks(WORLD, _odc_ranks, tuple(CASES), path, timeout=900)
+    return reference, odc
+
+
+SKIP_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grpo_with_odc_matches_unmodified_trl(case):
+    reference, odc = runs()
+    want = reference[case]
+    initial = dict(build_model().named_parameters())
+    for rank, out in enumerate(r[case] for r in odc):
+        steps = out["odc_steps"]
+        assert len(steps) == STEPS, steps
+        counts = [s["microbatches"] for s in steps]
+        options = CASES[case][1]
+        if options["rebalance"] and "planner" not in options:  # the test's planner, step 0
+            assert counts[0][0] == 0 and counts[0][1] > 0, counts
+            assert steps[0]["moved"] == steps[0]["rollouts"][1] // 2, steps
+        if options["rebalance"]:
+            assert sum(s["moved"] for s in steps) > 0, steps
+        if "planner" not in options:  # uneven microbatch counts (LB-Mini's may come out even)
+            assert any(c[0] != c[1] for c in counts), counts
+        moved = 0.0
+        for name, ref in want["params"].items():
+            got = out["params"][name]
+            torch.testing.assert_close(got, ref, rtol=0, atol=ATOL,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            moved = max(moved, (ref - initial[name].detach()).abs().max().item())
+        assert moved > 100 * ATOL, "training barely moved the parameters: the check is weak"
+        assert len(out["logs"]) == len(want["logs"]) == STEPS
+        # Losses within 1e-6 relative. On-policy GRPO losses cancel to ~0 (advantages sum to
+        # zero per group, and are normalized to unit scale): there float32 resolves the sum of
+        # unit-scale terms to ~1e-7 absolute, the floor of the comparison.
+        for got, ref in zip(out["logs"], want["logs"], strict=True):
+            assert set(got) == set(ref), (sorted(set(got) ^ set(ref)))
+            for key, value in ref.items():
+                if key in SKIP_KEYS:
+                    continue
+                if key == "loss":
+                    assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (
+                        rank, key, got[key], value)
+                elif value is None:
+                    assert got[key] is None, (rank, key, got[key])
+                else:
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (
+                        rank, key, got[key], value)
+
+
+def test_refusals_name_the_option():
+    _, odc = runs()
+    for out in odc:
+        got = out["refusals"]
+        assert "top_entropy_quantile" in got["top_entropy_quantile"], got
+        assert "include_num_input_tokens_seen" in got["include_num_input_tokens_seen"], got
+        assert "fsdp" in got["fsdp"], got
+        assert "'pixel_values'" in got["pixel_values"], got

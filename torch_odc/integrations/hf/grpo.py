@@ -1,0 +1,731 @@
+"""The TRL ``GRPOTrainer`` adapter: TRL generates, scores and buffers the rollouts as it always
+does; per optimizer step the adapter repacks them into microbatches of at most
+``max_tokens_per_microbatch`` unpadded tokens, optionally after moving rollouts between ranks
+so that every rank's step costs the same (LB-Mini over the step's rollouts), and gives every
+token the weight TRL's own microbatch would have given it. docs/integrations.md ("TRL
+GRPOTrainer") has the whole story.
+
+How a step runs. The Trainer's loop still calls ``training_step`` once per TRL microbatch
+(``gradient_accumulation_steps`` calls per optimizer step); each call lets TRL hand out its
+slice (``_prepare_inputs``: generation every ``steps_per_generation * num_iterations`` calls,
+TRL's shuffle and split) and keeps it. At the step's last call the rank:
+
+1. turns the kept slices into rows (prompt, completion, advantages, old/reference/sampling
+   log-probs, tool mask) and notes, per slice, what TRL's loss normalizes by (its rows, its
+   loss tokens, the generation batch's token count);
+2. with ``rebalance`` on: one ``all_gather_object`` of every row's length (and the slices'
+   normalizers), the same LB-Mini plan on every rank, one ``all_to_all`` moving the rows (with
+   all their tensors, in one buffer) to the ranks the plan names; off: packs its own rows;
+3. runs its microbatches (any number, zero included), padding trimmed per microbatch, through
+   the Trainer's ``training_step`` with a loss whose per-row weights reproduce TRL's
+   normalization for the row's own TRL slice (below);
+4. calls :func:`torch_odc.minibatch_barrier` (the Trainer clips right after), then reduces the
+   metrics TRL gathers in every microbatch (KL, entropy, clip ratios, policy loss) once, per
+   TRL microbatch index, and appends them as TRL would have.
+
+The weights. TRL's gradient for one optimizer step is (1/W) sum over ranks and TRL microbatches
+of the gradient of that microbatch's loss (W ranks; FSDP2 and ODC average over ranks). For each
+``loss_type`` (TRL 1.16, ``GRPOTrainer._compute_loss``) a row i of TRL slice s (B_s rows, N_s
+loss tokens, of a generation batch with N_gen loss tokens over all ranks), in a step of g TRL
+microbatches, contributes sum_t l_it times:
+
+    grpo, sapo       1 / (W B_s g max(n_i, 1))     (n_i: the row's loss tokens)
+    bnpo             1 / (W g max(N_s, 1))
+    dr_grpo          1 / (W B_s g max_completion_length)
+    luspo            1 / (W B_s g)
+    dapo, cispo,     steps_per_generation / (g max(N_gen, 1))
+    vespo
+
+where l_it is TRL's per-token loss (clipped or soft-gated ratio times advantage, plus beta times
+the KL term, with the off-policy mask; every factor of it a function of the row alone). The
+entropy bonus subtracts entropy_coef / (W g max(N_s, 1)) times the row's entropy sum. Each rank
+returns W times its rows' share, so the average over ranks is TRL's loss and the gradient is
+TRL's, wherever the rows ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import torch_odc
+
+from ._core import ODCConfig, ODCTrainerMixin, _checked_plan, _LBMini
+
+__all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
+
+WHERE = "torch_odc.integrations.hf (GRPOTrainer)"
+VERIFIED_TRL = "1.16."  # the loss and metric code below follows GRPOTrainer._compute_loss there
+
+# What a TRL slice may hold, by how its rows are laid out. Anything else is refused: the adapter
+# would not know how to trim, move or weight it.
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # left-padded
+COMPLETION_KEYS = ("completion_ids", "completion_mask", "tool_mask", "old_per_token_logps",
+                   "ref_per_token_logps", "sampling_per_token_logps")  # right-padded
+ROW_KEYS = ("advantages",)  # (B,), or (B, T) completion-aligned from a subclass
+STEP_KEYS = ("num_items_in_batch",)  # the generation batch's loss tokens over all ranks
+
+SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
+LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # log clip_ratio/*
+
+# Per-slice metric sums (reduced once per step; a slice = one TRL microbatch index).
+SUMS = ("kl", "entropy", "token_count", "low", "high", "region", "clip_count", "cispo",
+        "phi", "row_count", "policy")
+
+
+@dataclasses.dataclass
+class ODCGRPOConfig(ODCConfig):
+    """:class:`ODCConfig` plus the GRPO adapter's own switch.
+
+    Attributes:
+        rebalance: after generation, move rollouts between ranks so that every rank's step
+            costs the same under ``cost`` (LB-Mini over the step's rollouts of all ranks: one
+            all-gather of the lengths, one all-to-all of the rows). Off: every rank packs its
+            own rollouts. A plain :class:`ODCConfig` means on.
+
+    ``planner(lengths, world_size, step)`` replaces LB-Mini as in :class:`ODCConfig`; with
+    ``rebalance`` off it is called with this rank's lengths and a world of 1.
+    """
+
+    rebalance: bool = True
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+class _Rows:
+    """A rank's rollouts of one step as rows: prompt tensors left-padded to one width,
+    completion tensors right-padded to one width, and per row (source rank, TRL slice, prompt
+    length, completion length, loss tokens)."""
+
+    META = ("src", "slice", "prompt_len", "completion_len", "loss_tokens")
+
+    def __init__(self, tensors: dict, meta: torch.Tensor):
+        self.tensors, self.meta = tensors, meta
+
+    def __len__(self) -> int:
+        return self.meta.size(0)
+
+    def lengths(self) -> list[int]:
+        """Unpadded tokens per row (prompt + completion): what a microbatch's cap counts."""
+        return (self.meta[:, 2] + self.meta[:, 3]).clamp(min=1).tolist()
+
+
+class ODCGRPOTrainerMixin(ODCTrainerMixin):
+    """For TRL's ``GRPOTrainer``: ``class T(ODCGRPOTrainerMixin, GRPOTrainer)`` (or
+    ``odc_trainer(GRPOTrainer)``). Takes ``odc=ODCConfig(...)`` or ``ODCGRPOConfig(...)``.
+
+    After training, ``odc_steps`` holds per optimizer step every rank's microbatch count and
+    rollout count (after rebalancing) and how many rollouts moved."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The core runs one Trainer call per optimizer step; here the Trainer keeps calling
+        # training_step once per TRL microbatch (TRL's buffering counts those calls), and the
+        # adapter runs the whole step at the last one.
+        self.args.gradient_accumulation_steps = self._odc_user_accumulation
+        self._odc_slices: list[dict] = []
+        self._odc_step_seconds = 0.0
+        self._odc_acc: dict | None = None
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _odc_check_args(self) -> None:
+        super()._odc_check_args()
+        self._odc_user_accumulation = self.args.gradient_accumulation_steps
+
+    def _odc_check_loss(self) -> None:
+        version = _trl_version()
+        if not version.startswith(VERIFIED_TRL):
+            raise ValueError(
+                f"{WHERE}: TRL {version}: the adapter reproduces GRPOTrainer's loss of TRL "
+                f"{VERIFIED_TRL}x and is verified against it only; install trl=={VERIFIED_TRL}0")
+        a = self.args
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"{WHERE}: loss_type={self.loss_type!r} is not supported "
+                             f"(supported: {', '.join(LOSS_TYPES)})")
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                f"{WHERE}: top_entropy_quantile={self.top_entropy_quantile} < 1: TRL keeps the "
+                "tokens above an entropy quantile of each microbatch (gathered over the ranks' "
+                "microbatches of the same index), which depends on how rollouts are split into "
+                "microbatches. Set top_entropy_quantile=1.0.")
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"{WHERE}: the MoE load-balancing loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}) is a mean over each microbatch's routing, which "
+                "depends on the split. Set router_aux_loss_coef=0.")
+        if self.use_vllm:
+            raise ValueError(f"{WHERE}: use_vllm=True is not supported yet (its importance "
+                             "sampling tensors are not verified here); generate with "
+                             "transformers (use_vllm=False)")
+        if getattr(self, "_is_vlm", False):
+            raise ValueError(f"{WHERE}: vision-language models are not supported: image "
+                             "tensors are not laid out per rollout")
+        if a.include_num_input_tokens_seen not in ("no", False, None):
+            raise ValueError(f"{WHERE}: include_num_input_tokens_seen: GRPOTrainer counts the "
+                             "prompt and completion tokens itself (logged as num_tokens); "
+                             "leave it at 'no'")
+
+    def get_train_dataloader(self):
+        # TRL's own: its RepeatSampler and generation batches (the core's planning of steps
+        # from a dataset does not apply: lengths exist only after generation).
+        return super(ODCTrainerMixin, self).get_train_dataloader()
+
+    @property
+    def _odc_rebalance(self) -> bool:
+        return getattr(self.odc, "rebalance", True)
+
+    # -- TRL's hooks during the adapter's microbatches -----------------------------------------
+
+    def _prepare_inputs(self, inputs):
+        if self._odc_in_step:  # a repacked microbatch: already on the device
+            return inputs
+        return super()._prepare_inputs(inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._odc_in_step and self.model.training:
+            if return_outputs:
+                raise ValueError("The GRPOTrainer does not support returning outputs")
+            return self._odc_loss(model, inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        # TRL's buffering, as GRPOTrainer.training_step would run it for this microbatch.
+        self._odc_slices.append(self._prepare_inputs(inputs))
+        self._step += 1
+        if not self.accelerator.gradient_state.sync_gradients:
+            self._odc_step_seconds += time.perf_counter() - start
+            return torch.zeros((), device=self.args.device)
+        slices, self._odc_slices = self._odc_slices, []
+        loss = self._odc_run_step(model, slices)
+        self._metrics["train"]["step_time"].append(
+            self._odc_step_seconds + time.perf_counter() - start)
+        self._odc_step_seconds = 0.0
+        return loss
+
+    def _odc_run_step(self, model, slices: list[dict]) -> torch.Tensor:
+        from transformers import Trainer
+
+        g = len(slices)
+        if g != self.current_gradient_accumulation_steps:
+            raise RuntimeError(f"{WHERE}: step {self.state.global_step}: {g} TRL microbatches "
+                               "kept, the Trainer counts "
+                               f"{self.current_gradient_accumulation_steps}")
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        step = self.state.global_step
+        rows, meta = self._odc_rows(slices, rank)
+        planner = self.odc.planner or _LBMini(self.odc)
+        if self._odc_rebalance and world > 1:
+            rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, planner, step)
+            counts, rollouts = plan_counts
+        else:
+            lengths = rows.lengths()
+            plan = _checked_plan(planner(lengths, 1, step), len(lengths), 1, step) if lengths \
+                else [[]]
+            mine, counts, rollouts = plan[0], None, None
+            meta = {(rank, k): v for k, v in meta.items()}
+            self._odc_moved = 0
+        weights = self._odc_row_weights(rows, meta, g)
+        self._odc_acc = self._odc_new_accumulators(g, rows.meta.device)
+        total = torch.zeros((), device=self.args.device)
+        self._odc_in_step = True
+        try:
+            for micro in mine:
+                batch = self._odc_microbatch(rows, weights, micro)
+                total = total + Trainer.training_step(self, model, batch, None)
+        finally:
+            self._odc_in_step = False
+        # After this rank's last backward, before the Trainer clips and takes the grad norm.
+        torch_odc.minibatch_barrier()
+        counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
+        self.odc_steps.append({"step": step, "microbatches": counts, "rollouts": rollouts,
+                               "moved": self._odc_moved})
+        return total.detach()
+
+    # -- rows ----------------------------------------------------------------------------------
+
+    def _odc_pad_value(self, key: str) -> int:
+        if key in ("prompt_ids", "completion_ids"):
+            return self._tokenizer.pad_token_id
+        return 1 if key == "tool_mask" else 0  # TRL pads tool_mask with 1 (masked by the rest)
+
+    def _odc_layout(self, first: dict) -> list[tuple[str, str]]:
+        """(key, kind) of every tensor a slice carries; kind: prompt, completion, row."""
+        layout = []
+        for key, value in first.items():
+            if value is None or key in STEP_KEYS:
+                continue
+            if key in PROMPT_KEYS:
+                layout.append((key, "prompt"))
+            elif key in COMPLETION_KEYS or (key in ROW_KEYS and value.dim() == 2):
+                layout.append((key, "completion"))
+            elif key in ROW_KEYS and value.dim() == 1:
+                layout.append((key, "row"))
+            else:
+                raise ValueError(
+                    f"{WHERE}: TRL's microbatch carries {key!r}, which the adapter cannot repack "
+                    "(multimodal inputs, vLLM importance sampling or a subclass's own field); "
+                    f"it lays out only {PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS}")
+        for need in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                     "advantages"):
+            if need not in first:
+                raise ValueError(f"{WHERE}: TRL's microbatch has no {need!r}")
+        return layout
+
+    def _odc_rows(self, slices: list[dict], rank: int):
+        """The step's slices as one _Rows, and per slice k what TRL normalizes by:
+        meta[k] = (rows, loss tokens, the generation batch's loss tokens, completion width 1)."""
+        layout = self._odc_layout(slices[0])
+        widths = {"prompt": max(s["prompt_ids"].size(1) for s in slices),
+                  "completion": max(s["completion_ids"].size(1) for s in slices)}
+        tensors = {key: [] for key, _ in layout}
+        metas, slice_meta = [], {}
+        for k, s in enumerate(slices):
+            if [key for key, _ in self._odc_layout(s)] != [key for key, _ in layout]:
+                raise ValueError(f"{WHERE}: TRL's microbatches of one step carry different keys")
+            pmask, cmask = s["prompt_mask"], s["completion_mask"]
+            loss_mask = cmask if s.get("tool_mask") is None else cmask * s["tool_mask"]
+            plen, clen = pmask.sum(-1), cmask.sum(-1)
+            P, C = pmask.size(1), cmask.size(1)
+            # TRL's layout: prompts left-padded, completions right-padded, masks contiguous.
+            left = torch.arange(P, device=pmask.device) >= (P - plen)[:, None]
+            right = torch.arange(C, device=cmask.device) < clen[:, None]
+            if not (torch.equal(pmask != 0, left) and torch.equal(cmask != 0, right)):
+                raise ValueError(f"{WHERE}: a rollout's prompt mask is not a left padding or its "
+                                 "completion mask not a right padding; cannot trim it")
+            n = pmask.size(0)
+            ngen = s.get("num_items_in_batch")
+            slice_meta[k] = (n, int(loss_mask.sum()), -1 if ngen is None else int(ngen),
+                             C == 1)
+            for key, kind in layout:
+                t = s[key]
+                if kind == "prompt":
+                    t = _fit(t, widths["prompt"], "left", self._odc_pad_value(key))
+                elif kind == "completion":
+                    t = _fit(t, widths["completion"], "right", self._odc_pad_value(key))
+                tensors[key].append(t)
+            metas.append(torch.stack([torch.full_like(plen, rank), torch.full_like(plen, k),
+                                      plen, clen, loss_mask.sum(-1).to(plen.dtype)], dim=1))
+        rows = _Rows({key: torch.cat(v) for key, v in tensors.items()},
+                     torch.cat(metas).long())
+        self._odc_layout_cache = layout
+        return rows, slice_meta
+
+    def _odc_exchange(self, rows: _Rows, slice_meta: dict, planner, step: int):
+        """LB-Mini over every rank's rows of the step; the rows move to the ranks it names.
+        Returns the rows this rank runs, the slices' normalizers of every rank, ((microbatches
+        per rank), (rollouts per rank)) and this rank's microbatches as positions into its rows."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        layout = self._odc_layout_cache
+        info = {"lengths": rows.lengths(), "slices": slice_meta,
+                "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
+                "prompt": rows.tensors["prompt_ids"].size(1),
+                "completion": rows.tensors["completion_ids"].size(1),
+                "max_id": max(int(rows.tensors["prompt_ids"].max()),
+                              int(rows.tensors["completion_ids"].max())) if len(rows) else 0}
+        infos = [None] * world
+        dist.all_gather_object(infos, info)  # the one exchange of lengths
+        for r, other in enumerate(infos):
+            if other["layout"] != infos[0]["layout"]:
+                raise ValueError(f"{WHERE}: step {step}: rank {r}'s rollouts carry "
+                                 f"{other['layout']}, rank 0's {infos[0]['layout']}")
+        offsets = [0]
+        for other in infos:
+            offsets.append(offsets[-1] + len(other["lengths"]))
+        lengths = [n for other in infos for n in other["lengths"]]
+        plan = _checked_plan(planner(lengths, world, step), len(lengths), world, step)
+        owner = [r for r in range(world) for _ in infos[r]["lengths"]]
+        if self.odc.planner is None:  # LB-Mini's rank labels are arbitrary: keep rows in place
+            plan = _keep_in_place(plan, owner, world)
+        # Rows travel in the order of the destination's plan; the receiver reads them back by
+        # that order, per source, from the global plan it computed itself.
+        send = [[] for _ in range(world)]
+        for dest in range(world):
+            for micro in plan[dest]:
+                for pos in micro:
+                    if owner[pos] == rank:
+                        send[dest].append(pos - offsets[rank])
+        receive_from = [[pos for micro in plan[rank] for pos in micro if owner[pos] == src]
+                        for src in range(world)]
+        P = max(other["prompt"] for other in infos)
+        C = max(other["completion"] for other in infos)
+        float64 = (max(other["max_id"] for other in infos) >= 2 ** 24
+                   or any(d == "torch.float64" for _, _, d in infos[0]["layout"]))
+        dtype = torch.float64 if float64 else torch.float32
+        device = rows.meta.device
+        on_cpu = device.type == "cpu" or os.environ.get("ODC_CUDA_COLLECTIVES") == "gloo"
+        order = [i for dest in send for i in dest]
+        out_rows = sum(len(r) for r in receive_from)
+        buf = _pack(rows, order, layout, P, C, dtype, self._odc_pad_value)
+        if on_cpu:
+            buf = buf.cpu()
+        width = buf.size(1)
+        recv = buf.new_empty((out_rows, width))
+        dist.all_to_all_single(recv, buf.contiguous(),
+                               output_split_sizes=[len(r) for r in receive_from],
+                               input_split_sizes=[len(d) for d in send])
+        self._odc_moved = sum(owner[pos] != dest for dest in range(world)
+                              for micro in plan[dest] for pos in micro)
+        new = _unpack(recv.to(device), layout, [getattr(torch, d.split(".")[1])
+                                                for _, _, d in infos[0]["layout"]], P, C)
+        index = {}
+        j = 0
+        for src in range(world):
+            for pos in receive_from[src]:
+                index[pos] = j
+                j += 1
+        mine = [[index[pos] for pos in micro] for micro in plan[rank]]
+        meta = {(r, k): v for r, other in enumerate(infos) for k, v in other["slices"].items()}
+        counts = ([len(p) for p in plan], [sum(len(m) for m in p) for p in plan])
+        return new, meta, counts, mine
+
+    def _odc_row_weights(self, rows: _Rows, slice_meta: dict, g: int) -> dict:
+        """Per row: a (weight of its token losses in TRL's step loss), e (of its entropy sum, the
+        entropy bonus), p (of its token losses in TRL's logged policy_loss, times W)."""
+        world = self.accelerator.num_processes
+        n = len(rows)
+        a = torch.zeros(n, dtype=torch.float64)
+        e = torch.zeros(n, dtype=torch.float64)
+        p = torch.zeros(n, dtype=torch.float64)
+        narrow = torch.zeros(n, dtype=torch.bool)
+        meta = rows.meta.cpu().tolist()
+        coef = self._odc_entropy_coef()
+        S, lmax = self.args.steps_per_generation, self.max_completion_length
+        for i, (src, k, _, _, n_i) in enumerate(meta):
+            B, N, ngen, is_narrow = slice_meta[(src, k)]
+            lt = self.loss_type
+            if lt in SEQUENCE_MEAN_LOSSES:
+                w = 1.0 / (world * B * g * max(n_i, 1))
+            elif lt == "bnpo":
+                w = 1.0 / (world * g * max(N, 1))
+            elif lt == "dr_grpo":
+                w = 1.0 / (world * B * lmax * g)
+            elif lt == "luspo":
+                w = 1.0 / (world * B * g)
+            else:  # dapo, cispo, vespo: the generation batch's token count
+                if ngen < 0:
+                    raise ValueError(f"{WHERE}: loss_type={lt!r} needs num_items_in_batch")
+                w = S / (g * max(ngen, 1))
+            a[i] = w
+            p[i] = world * w * (1 if lt in ("dapo", "cispo", "vespo") else g)
+            e[i] = coef / (world * g * max(N, 1))
+            narrow[i] = bool(is_narrow)
+        device = rows.meta.device
+        return {"a": a.to(device), "e": e.to(device), "p": p.to(device),
+                "narrow": narrow.to(device)}
+
+    def _odc_entropy_coef(self) -> float:
+        """The entropy bonus's coefficient for this step's microbatches (TRL fixes it at the end
+        of the previous step); 0 without the bonus."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy:
+            return self.entropy_coef if self._last_world_entropy <= self.args.entropy_target \
+                else 0.0
+        return self.entropy_coef
+
+    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> dict:
+        """The rows at positions `micro`, padding trimmed to their longest prompt and
+        completion (rounded up to pad_to_multiple_of like TRL's), with their weights."""
+        idx = torch.tensor(micro, device=rows.meta.device)
+        meta = rows.meta[idx]
+        pw, cw = int(meta[:, 2].max()), max(1, int(meta[:, 3].max()))
+        if self.pad_to_multiple_of:
+            m = self.pad_to_multiple_of
+            pw, cw = -(-pw // m) * m, -(-cw // m) * m
+        batch = {}
+        for key, kind in self._odc_layout_cache:
+            t = rows.tensors[key][idx]
+            if kind == "prompt":
+                t = _fit(t, pw, "left", self._odc_pad_value(key))
+            elif kind == "completion":
+                t = _fit(t, cw, "right", self._odc_pad_value(key))
+            batch[key] = t
+        batch["_odc_slice"] = meta[:, 1]
+        for key, value in weights.items():
+            batch["_odc_" + key] = value[idx]
+        return batch
+
+    # -- the loss ------------------------------------------------------------------------------
+
+    def _odc_loss(self, model, inputs):
+        """TRL 1.16's per-token loss (GRPOTrainer._compute_loss) with the adapter's per-row
+        weights instead of TRL's per-microbatch normalization; metrics summed per TRL slice."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = (completion_mask if "tool_mask" not in inputs
+                else completion_mask * inputs["tool_mask"])
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True)
+
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old_per_token_logps = inputs.get("old_per_token_logps")
+        old_per_token_logps = (per_token_logps.detach() if old_per_token_logps is None
+                               else old_per_token_logps)
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps", old_per_token_logps)
+            off_policy_mask = self.get_off_policy_mask(
+                advantages=advantages, per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling, mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold)
+        log_ratio = per_token_logps - old_per_token_logps
+        if self.importance_sampling_level == "token":
+            log_importance_weights = log_ratio
+        elif self.importance_sampling_level == "sequence":
+            log_importance_weights = ((log_ratio * mask).sum(-1)
+                                      / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        else:
+            raise ValueError(f"Unknown importance sampling level: "
+                             f"{self.importance_sampling_level}")
+        coef_1 = torch.exp(log_importance_weights)
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+
+        lt = self.loss_type
+        if lt == "cispo":
+            clamped_ratios = torch.clamp(coef_1, max=self.epsilon_high).detach()
+            per_token_loss = -clamped_ratios * advantages * per_token_logps
+        elif lt in CLIPPED_LOSSES:
+            coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            if self.args.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=self.args.delta)
+            per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        elif lt == "sapo":
+            temperatures = torch.where(advantages > 0, self.args.sapo_temperature_pos,
+                                       self.args.sapo_temperature_neg)
+            per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+                               * advantages)
+        elif lt == "vespo":
+            phi_seq = self.get_gamma_weights(
+                advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+            per_token_loss = -phi_seq * advantages * per_token_logps
+        else:
+            raise ValueError(f"Unknown loss type: {lt}")
+        if self.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * off_policy_mask
+        if self.beta != 0.0:
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        world = self.accelerator.num_processes
+        fmask = mask.to(per_token_loss.dtype)
+        row_loss = (per_token_loss * fmask).sum(-1)
+        loss = (row_loss * inputs["_odc_a"].to(row_loss.dtype)).sum()
+        if self._entropy_bonus_enabled:
+            row_entropy = (entropies * fmask).sum(-1)
+            loss = loss - (row_entropy * inputs["_odc_e"].to(row_entropy.dtype)).sum()
+        loss = loss * world
+
+        with torch.no_grad():
+            acc, k = self._odc_acc, inputs["_odc_slice"]
+            narrow = inputs["_odc_narrow"]
+            fm = fmask.double()
+
+            def per_row(x, per_sequence=False):
+                """TRL's global_masked_mean terms of one row: (sum, count). TRL sums a (B, 1)
+                tensor unmasked and counts rows: per-sequence tensors, and token tensors of a
+                TRL slice that had one completion column ("narrow")."""
+                x = x.double()
+                if per_sequence:
+                    return x[:, 0], torch.ones_like(x[:, 0])
+                num = torch.where(narrow, x[:, 0], (x * fm).sum(-1))
+                den = torch.where(narrow, torch.ones_like(num), fm.sum(-1))
+                return num, den
+
+            def seq_mean(x, per_sequence=False):  # TRL's masked_seq_mean
+                x = x.double()
+                if per_sequence:
+                    return x[:, 0]
+                return torch.where(narrow, x[:, 0], (x * fm).sum(-1) / fm.sum(-1))
+
+            def add(name, values):
+                acc["sums"][:, SUMS.index(name)].index_add_(0, k, values)
+
+            if self.beta != 0.0:
+                num, den = per_row(per_token_kl)
+                add("kl", num)
+            num, den = per_row(entropies)
+            add("entropy", num)
+            add("token_count", den)
+            seq = self.importance_sampling_level == "sequence"  # coef_1 is (B, 1)
+            if lt in CLIPPED_LOSSES:
+                is_low = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+                is_high = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+                for name, x in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
+                    num, den = per_row(x.float(), seq)
+                    add(name, num)
+                add("clip_count", den)
+                low = seq_mean(is_low.float(), seq)
+                high = seq_mean(is_high.float(), seq)
+                inf = torch.full_like(low, math.inf)
+                acc["mins"][:, 0].scatter_reduce_(0, k, torch.where(low.isnan(), inf, low), "amin")
+                acc["mins"][:, 1].scatter_reduce_(0, k, torch.where(high.isnan(), inf, -high),
+                                                  "amin")
+            elif lt == "cispo":
+                num, den = per_row(((coef_1 > self.epsilon_high) & (advantages > 0)).float(), seq)
+                add("cispo", num)
+                add("clip_count", den)
+            elif lt == "vespo":
+                num, den = per_row(phi_seq, True)
+                add("phi", num)
+                add("row_count", den)
+            if self._entropy_bonus_enabled:
+                add("policy", row_loss.detach().double() * inputs["_odc_p"])
+        return loss
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _odc_new_accumulators(g: int, device) -> dict:
+        return {"sums": torch.zeros(g, len(SUMS), dtype=torch.float64, device=device),
+                "mins": torch.full((g, 2), math.inf, dtype=torch.float64, device=device)}
+
+    def _odc_record_metrics(self, g: int, my_micro: int, my_rows: int, counts, rollouts):
+        """After the barrier: one all-reduce of the per-slice sums (and, without rebalancing,
+        of every rank's counts), one MIN all-reduce of the clip-ratio extremes when the loss
+        logs them; the values appended per TRL microbatch index as TRL appends them."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        acc = self._odc_acc
+        self._odc_acc = None
+        values = acc["sums"].cpu().flatten().tolist()
+        if counts is None:
+            mine = [0.0] * (2 * world)
+            mine[rank], mine[world + rank] = float(my_micro), float(my_rows)
+            values += mine
+        reduced = self._odc_all_reduce(values)
+        if counts is None:
+            counts = [int(c) for c in reduced[g * len(SUMS):g * len(SUMS) + world]]
+            rollouts = [int(c) for c in reduced[g * len(SUMS) + world:]]
+        sums = torch.tensor(reduced[:g * len(SUMS)], dtype=torch.float64).view(g, len(SUMS))
+        lt, metrics = self.loss_type, self._metrics["train"]
+        if lt in CLIPPED_LOSSES:
+            t = acc["mins"].cpu().flatten()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            extremes = t.view(g, 2)
+        col = {name: sums[:, i].tolist() for i, name in enumerate(SUMS)}
+
+        def ratio(num, den):
+            return num / max(den, 1.0)
+
+        for s in range(g):
+            if self._entropy_bonus_enabled:
+                metrics["policy_loss"].append(col["policy"][s] / world)
+            if self.beta != 0.0:
+                metrics["kl"].append(ratio(col["kl"][s], col["token_count"][s]))
+            metrics["entropy"].append(ratio(col["entropy"][s], col["token_count"][s]))
+            if lt in CLIPPED_LOSSES:
+                for name in ("low", "high", "region"):
+                    metrics[f"clip_ratio/{name}_mean"].append(
+                        ratio(col[name][s], col["clip_count"][s]))
+                low, neg_high = extremes[s].tolist()
+                metrics["clip_ratio/low_min"].append(low if low != math.inf else math.nan)
+                metrics["clip_ratio/high_max"].append(-neg_high if neg_high != math.inf
+                                                      else math.nan)
+            elif lt == "cispo":
+                metrics["cispo_clip_ratio"].append(ratio(col["cispo"][s], col["clip_count"][s]))
+            elif lt == "vespo":
+                metrics["vespo/phi_seq_mean"].append(ratio(col["phi"][s], col["row_count"][s]))
+        if self._entropy_bonus_enabled:
+            if self.use_adaptive_entropy:
+                # TRL's window-global entropy: every microbatch of the step, all ranks.
+                world_entropy = sum(col["entropy"]) / max(sum(col["token_count"]), 1.0)
+                a = self.args
+                if world_entropy <= a.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta,
+                                            a.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta,
+                                            a.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+            metrics["entropy_coef"].append(self.entropy_coef)
+        return counts, rollouts
+
+
+def _keep_in_place(plan: list, owner: list[int], world: int) -> list:
+    """The plan's per-rank shares given to the ranks that already hold most of their rows
+    (greedily, largest overlap first): the same balance, fewer rows moved. Depends only on its
+    inputs, so every rank computes the same."""
+    overlap = [[0] * world for _ in range(world)]  # [share][rank]
+    for share, micros in enumerate(plan):
+        for micro in micros:
+            for pos in micro:
+                overlap[share][owner[pos]] += 1
+    pairs = sorted((-overlap[s][r], s, r) for s in range(world) for r in range(world))
+    rank_of, taken = {}, set()
+    for _, share, rank in pairs:
+        if share not in rank_of and rank not in taken:
+            rank_of[share] = rank
+            taken.add(rank)
+    out = [None] * world
+    for share, rank in rank_of.items():
+        out[rank] = plan[share]
+    return out
+
+
+def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
+    """t (rows, w) cut or padded to (rows, width): on the left for prompts (their tokens end at
+    the right), on the right for completions."""
+    w = t.size(1)
+    if w == width:
+        return t
+    if w > width:
+        return t[:, w - width:] if side == "left" else t[:, :width]
+    pad = t.new_full((t.size(0), width - w), value)
+    return torch.cat([pad, t] if side == "left" else [t, pad], dim=1)
+
+
+def _pack(rows: _Rows, order: list[int], layout, P: int, C: int, dtype, pad_value):
+    """The rows at `order` as one (n, width) buffer of `dtype` (token ids below 2**24 and
+    float32 values are exact in float32): prompt tensors (P columns each), completion tensors
+    (C each), per-row values, then the row's meta."""
+    idx = torch.tensor(order, dtype=torch.long, device=rows.meta.device)
+    parts = []
+    for key, kind in layout:
+        t = rows.tensors[key][idx]
+        if kind == "prompt":
+            t = _fit(t, P, "left", pad_value(key))
+        elif kind == "completion":
+            t = _fit(t, C, "right", pad_value(key))
+        else:
+            t = t[:, None]
+        parts.append(t.to(dtype))
+    parts.append(rows.meta[idx].to(dtype))
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(buf: torch.Tensor, layout, dtypes, P: int, C: int) -> _Rows:
+    tensors, col = {}, 0
+    for (key, kind), dtype in zip(layout, dtypes, strict=True):
+        width = P if kind == "prompt" else C if kind == "completion" else 1
+        t = buf[:, col:col + width]
+        tensors[key] = (t if kind != "row" else t[:, 0]).to(dtype).contiguous()
+        col += width
+    return _Rows(tensors, buf[:, col:col + len(_Rows.META)].long())

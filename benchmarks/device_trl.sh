@@ -35,8 +35,8 @@ if has tests; then
     | tail -15 || rc=1
 fi
 if has grpo; then
-  timeout "${GRPO_TIMEOUT:-200}" "$PY" benchmarks/bench_trl.py ${GRPO_ARGS:-} --commit "$commit" \
-    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_trl_grpo.log" | tail -15 || rc=1
+  timeout "${GRPO_TIMEOUT:-200}" "$PY" benchmarks/bench_trl.py grpo --out "$OUT" \
+    ${GRPO_ARGS:+-- $GRPO_ARGS} 2>&1 | grep -v -i warn | tee "$OUT/bench_trl_grpo.log" | tail -15 || rc=1
 fi
 if has dpo; then
   timeout "${DPO_TIMEOUT:-200}" "$PY" benchmarks/bench_trl_dpo.py --launch 2 --gpu-defaults \

@@ -260,15 +260,16 @@ def test_attach_without_fsdp_modules_is_a_value_error():
 
 
 def test_odc_operations_are_profiler_ranges():
-    # Rank 1 runs no microbatch: its keys are published by the barrier (odc::publish).
+    # Rank 1 runs no microbatch: its keys are published by the barrier (odc::publish_shards).
     names = run_ranks(2, profiled_minibatch, [2, 0])
     keys = {"layers.0", "layers.1"}
     for k in keys:
         assert f"odc::gather {k}" in names[0] and f"odc::push {k}" in names[0], names[0]
-        assert f"odc::publish {k}" in names[1], names[1]
+    assert "odc::reduce_scatter_call" in names[0] and "odc::unit_pre_forward" in names[0]
     for rank_names in names:
         # odc::barrier_release runs when a rank enters the next minibatch (not profiled here).
-        assert {"odc::minibatch_barrier", "odc::barrier_arrive"} <= set(rank_names), rank_names
+        assert {"odc::minibatch_barrier", "odc::barrier_arrive", "odc::wait_device",
+                "odc::wait_peers", "odc::publish_shards"} <= set(rank_names), rank_names
     # Rank 0 ran a forward (eager publish at its first); rank 1 ran none, so it published in
     # the barrier instead.
     assert "odc::publish_all" in names[0] and "odc::publish_all" not in names[1], names

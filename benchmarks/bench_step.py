@@ -64,7 +64,7 @@ ODC_KERNELS = (("odcGather", "odc_gather"), ("odcWait", "odc_wait"), ("odcPush",
 # Host ranges inside ODC's calls in which the host only waits: for its own GPU work (the
 # barrier's quiesce) and for the peers' arrival. "Host time outside the waits" excludes them.
 WAIT_RANGES = ("odc::wait_device", "odc::wait_peers")
-HEADLINE = tuple(cat for _, cat in ODC_KERNELS)
+HEADLINE = tuple(dict.fromkeys(cat for _, cat in ODC_KERNELS))
 CATEGORIES = HEADLINE + ("odc_other", "nccl", "fsdp2_copy_in", "fsdp2_copy_out", "fsdp2_reduce",
                          "fsdp2_other", "optimizer", "compute")
 # Host ranges a launch is attributed to (the innermost one that encloses it, on its thread).

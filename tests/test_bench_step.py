@@ -108,6 +108,27 @@ def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
     assert h["by_kind"]["odc::publish_all"] == {"us": 30, "calls": 1}
     assert h["by_kind"]["odc::publish"] == {"us": 15, "calls": 1}
     assert h["total_us"] == 40 + 30 + 20  # nested publish counted once; device copies not
+    assert h["waits_us"] == 0 and h["outside_waits_us"] == h["total_us"]
+
+
+def test_host_time_outside_the_barriers_waits():
+    """The barrier's waits (for the own GPU, for the peers) are host time ODC only waits:
+    ODC's own host work is the union of its ranges less theirs."""
+    events = [
+        ev("odc::minibatch_barrier", 0, 100),
+        ev("odc::publish_shards", 2, 7),
+        ev("odc::barrier_arrive", 10, 90),
+        ev("odc::wait_device", 11, 30),
+        ev("odc::wait_peers", 31, 85),
+        ev("odc::gather layers.0", 200, 210),
+        ev("odc::push layers.0", 300, 320, thread=2),
+        ev("odc::reduce_scatter_call", 295, 322, thread=2),
+    ]
+    h = host_odc_time(events)
+    assert h["total_us"] == 100 + 10 + 27
+    assert h["waits_us"] == 19 + 54
+    assert h["outside_waits_us"] == 100 + 10 + 27 - 73
+    assert h["by_kind"]["odc::wait_peers"] == {"us": 54, "calls": 1}
 
 
 def test_breakdowns_read_real_profiler_events():

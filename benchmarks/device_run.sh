@@ -12,6 +12,10 @@ what="${1:-all}"; [[ $what == all ]] && what="tests,bench,step"
 has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
+# ODC_DEADLINE (epoch seconds, set by device_call.sh from BUDGET_S): long stages shorten their
+# timeouts to end before it, and e2e runs that cannot finish are skipped.
+left() { if [[ -n ${ODC_DEADLINE:-} ]]; then echo $(( ODC_DEADLINE - $(date +%s) )); else echo 100000; fi; }
+capped() { local t=$1 l; l=$(( $(left) - 10 )); (( l < t )) && t=$l; (( t < 1 )) && t=1; echo "$t"; }
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
 # ODC_BASELINE=<tar of an earlier tree> (e.g. `git archive <commit> csrc setup.py pyproject.toml
@@ -35,14 +39,14 @@ with_base() { PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 rc=0
 if has tests; then
   # TESTS: the test files or folders (default tests); TESTS_K: the -k expression.
-  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest ${TESTS:-tests} -q -k "${TESTS_K:-gpu or cuda}" -p no:cacheprovider --timeout=240 -rs \
+  timeout "$(capped "${TESTS_TIMEOUT:-420}")" "$PY" -m pytest ${TESTS:-tests} -q -k "${TESTS_K:-gpu or cuda}" -p no:cacheprovider --timeout=240 -rs \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if has bench; then
   for n in 2 4 8; do
     # With one GPU, 2 ranks share it (odc ops only: NCCL refuses two ranks on one GPU).
     (( n <= gpus || (n == 2 && gpus == 1) )) || continue
-    timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" ${TRANSPORT_ARGS:-} \
+    timeout "$(capped 240)" torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" ${TRANSPORT_ARGS:-} \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -30 || rc=1
     if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *bench* ]]; then
       with_base timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py \
@@ -66,10 +70,10 @@ if has step; then
     fi
   fi
   if (( gpus >= 2 )); then
-    timeout 300 torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" \
+    timeout "$(capped 300)" torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" \
       ${STEP_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/bench_step_${gpus}gpu.log" | tail -30 || rc=1
     if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *step* ]]; then
-      with_base timeout 300 torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py \
+      with_base timeout "$(capped 300)" torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py \
         --out "$OUT/baseline" ${STEP_ARGS:-} 2>&1 | grep -v -i warn \
         | tee "$OUT/baseline/bench_step_${gpus}gpu.log" | tail -30 || rc=1
     fi
@@ -93,12 +97,12 @@ if has e2e; then
   # odc-mini-lazy: shards published at first all-gather, not up front).
   # E2E_MB: measured minibatches per run (default 4 at 4 sequences per rank, 1 above);
   # E2E_RL_PACK: the token cap of the rl-packed workload (RL sequences packed into varlen
-  # microbatches, reported beside "rl"). BUDGET_S: skip runs that would start later than
-  # BUDGET_S - 60 seconds after this script started (a device call's limit).
+  # microbatches, reported beside "rl"). With ODC_DEADLINE, a run is skipped when less than
+  # E2E_RUN_S seconds (default 60) are left.
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
   cal="${E2E_CAL:-}"
   if [[ -z $cal ]]; then
-    cal=$(timeout "${E2E_CAL_TIMEOUT:-150}" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
+    cal=$(timeout "$(capped "${E2E_CAL_TIMEOUT:-150}")" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
           --pack-tokens "$pack" 2>&1 | tee "$OUT/calibration.log" | grep -o 'CALIBRATION=.*' \
           | cut -d= -f2)
     [[ -n $cal ]] || { echo "cost-model calibration failed"; tail -20 "$OUT/calibration.log"; exit 1; }
@@ -110,11 +114,11 @@ if has e2e; then
     for w in ${E2E_WORKLOADS:-long-context rl rl-packed equal}; do
       for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do
         tag="p${spr}_${w}_${c}"
-        if [[ -n ${BUDGET_S:-} ]] && (( SECONDS > BUDGET_S - 60 )); then
-          echo "skipped $tag: ${SECONDS}s of a ${BUDGET_S}s budget used" | tee -a "$OUT/bench_e2e_${spr}spr.log"
+        if (( $(left) < ${E2E_RUN_S:-60} )); then
+          echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e_${spr}spr.log"
           rc=1; continue
         fi
-        timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
+        timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
           --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
           --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
           --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"

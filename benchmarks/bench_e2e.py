@@ -865,6 +865,7 @@ def main():
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
+            "git_commit": os.environ.get("ODC_GIT_COMMIT"),
             "model": args.model, "seqs_per_rank": args.seqs_per_rank,
             "pack_tokens": args.pack_tokens,
         }

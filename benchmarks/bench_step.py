@@ -458,7 +458,9 @@ def environment(args, world, device, gpus) -> dict:
         if cuda else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "git_commit": run("git", "-C", ROOT, "rev-parse", "HEAD"),
+        # ODC_GIT_COMMIT: a tree copied without its .git (device runs of `git archive`).
+        "git_commit": os.environ.get("ODC_GIT_COMMIT")
+        or run("git", "-C", ROOT, "rev-parse", "HEAD"),
         "git_dirty": dirty(),
         "args": vars(args),
     }

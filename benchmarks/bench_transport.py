@@ -363,7 +363,9 @@ def environment(world: int) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hostname": socket.gethostname(),
-        "git_commit": run("git", "-C", ROOT, "rev-parse", "HEAD"),
+        # ODC_GIT_COMMIT: a tree copied without its .git (device runs of `git archive`).
+        "git_commit": os.environ.get("ODC_GIT_COMMIT")
+        or run("git", "-C", ROOT, "rev-parse", "HEAD"),
         "command": f"torchrun --nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', world)} "
         + " ".join(sys.argv),
         "argv": sys.argv,

@@ -841,7 +841,7 @@ def main():
                       for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
 
-            def idle_bound(x, mode):  # the idle the plan itself implies, by its cost model
+            def idle_bound(x, mode, cost=cost, pack=pack):  # the idle the plan itself implies
                 p = plans(x, world, mode, cost, pack)
                 return 1.0 - sum(p.rank_costs) / (world * p.makespan)
 

@@ -64,6 +64,7 @@ py::dict statsDict(const torch_odc::EngineStats& s) {
   d["bytes_pushed"] = s.bytes_pushed;
   d["publish_wait_s"] = s.publish_wait_s;
   d["barrier_s"] = s.barrier_s;
+  d["barrier_wait_s"] = s.barrier_wait_s;
   return d;
 }
 

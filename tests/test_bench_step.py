@@ -249,6 +249,12 @@ def test_bench_step_runs_and_reports(device, tmp_path):
         for kind in ("odc::gather", "odc::push", "odc::minibatch_barrier"):
             assert host[kind]["calls"] >= 1 and host[kind]["ms"] > 0, host
         assert host["odc::push"]["calls"] == moved["keyed_reduce_scatters"], host
+    # ODC's own host time measured without the profiler (torch_odc.stats()["host_s"] less the
+    # barrier's waits): positive and below the minibatch.
+    own = odc["host_odc_unprofiled_ms_per_rank"]
+    assert all(0 < ms < 1e3 * odc["minibatch_s_median"] for ms in own), odc
+    assert all(w >= 0 for w in odc["host_odc_unprofiled_waits_ms_per_rank"]), odc
+    assert 0 < odc["host_odc_unprofiled_share_max"] < 1
     for cfg, s in r["configs"].items():
         assert len(s["minibatch_s"]) == 2 and 0 < s["minibatch_s_median"] < 60, (cfg, s)
         assert 0 < s["micro_s_median"] < s["minibatch_s_median"] * 1.01, (cfg, s)

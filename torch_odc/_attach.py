@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,19 @@ def _is_placeholder(grad) -> bool:
 _profiling = torch.autograd._profiler_enabled
 
 
+class _HostClock:
+    """Host seconds spent in ODC's entry points (the comm calls FSDP2 makes, ODC's forward,
+    gradient and optimizer hooks, the barrier; the C++ calls they make included):
+    ``torch_odc.stats()[i]["host_s"]``. The barrier's waits are in it; the engine reports them
+    apart (``barrier_wait_s``). Not counted: the per-parameter hooks that only note which
+    parameters got a gradient (a set insertion each)."""
+
+    __slots__ = ("s",)
+
+    def __init__(self):
+        self.s = 0.0
+
+
 class _KeyedAllGather(_fsdp2.AllGather):
     """FSDP2's all-gather of one unit, served by the engine: one call into the backend (no c10d
     dispatch). Synchronous calls return None, as ``all_gather_into_tensor`` does: the copy is
@@ -92,12 +106,17 @@ class _KeyedAllGather(_fsdp2.AllGather):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        t0 = perf_counter()
         handle = self._handle
-        if not handle._entered:
-            handle._enter_minibatch()
-        if group is not handle._group:
-            raise RuntimeError(handle._wrong_group(self._key, "all-gather", group))
-        return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor, async_op)
+        try:
+            if not handle._entered:
+                handle._enter_minibatch()
+            if group is not handle._group:
+                raise RuntimeError(handle._wrong_group(self._key, "all-gather", group))
+            return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor,
+                                                     async_op)
+        finally:
+            handle._clock.s += perf_counter() - t0
 
 
 class _KeyedReduceScatter(_fsdp2.ReduceScatter):
@@ -108,10 +127,14 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if _profiling():
-            with torch.profiler.record_function("odc::reduce_scatter_call"):
-                return self._call(output_tensor, input_tensor, group, op, async_op)
-        return self._call(output_tensor, input_tensor, group, op, async_op)
+        t0 = perf_counter()
+        try:
+            if _profiling():
+                with torch.profiler.record_function("odc::reduce_scatter_call"):
+                    return self._call(output_tensor, input_tensor, group, op, async_op)
+            return self._call(output_tensor, input_tensor, group, op, async_op)
+        finally:
+            self._handle._clock.s += perf_counter() - t0
 
     def _call(self, output_tensor, input_tensor, group, op, async_op):
         handle = self._handle
@@ -176,6 +199,7 @@ class _Key:
         self._grad_views: list = [None] * len(unit.params)
         self._placeholders: list = [None] * len(unit.params)
         self._scales: dict = {}  # push_scale by (reduce dtype, FSDP2's divide settings)
+        self.clock = _HostClock()  # the handle's (set by attach)
         self._order = None  # take_pushed_params: FSDP2's order, and every trainable one in it
         self._all_trainable: list[int] = []
         self._all_trainable_set: set[int] = set()
@@ -213,10 +237,14 @@ class _Key:
                 _DTYPE_NAMES[self.accum_dtype])
 
     def before_forward(self) -> None:
-        if _profiling():
-            with torch.profiler.record_function("odc::unit_pre_forward"):
-                return self._before_forward()
-        return self._before_forward()
+        t0 = perf_counter()
+        try:
+            if _profiling():
+                with torch.profiler.record_function("odc::unit_pre_forward"):
+                    return self._before_forward()
+            return self._before_forward()
+        finally:
+            self.clock.s += perf_counter() - t0
 
     def _before_forward(self) -> None:
         self.watch_grads()
@@ -269,8 +297,10 @@ class _Key:
                 lambda p, i=index: self._drop_fsdp_grad(i, p)))
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
+        t0 = perf_counter()
         if self.prior[index] is not _USER:
             self.place_placeholder(index)
+        self.clock.s += perf_counter() - t0
 
     def place_placeholder(self, index: int) -> None:
         """Puts the no-memory placeholder in parameter `index`'s ``.grad`` (see
@@ -374,6 +404,9 @@ class Handle:
         self._replicate = replicate_group  # HSDP: one all-reduce per minibatch across replicas
         self._group = None  # the shard group the engine runs over (set by attach)
         self._lazy_done = False  # FSDP2's lazy init of every unit ran (_lazy_init)
+        self._clock = _HostClock()
+        for key in keys:
+            key.clock = self._clock
         self._attached = True
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
@@ -416,6 +449,13 @@ class Handle:
         self._lazy_done = True
 
     def barrier(self) -> None:
+        t0 = perf_counter()
+        try:
+            self._barrier()
+        finally:
+            self._clock.s += perf_counter() - t0
+
+    def _barrier(self) -> None:
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
         self._check_barrier()
@@ -569,14 +609,25 @@ class Handle:
         # 0.23 s per minibatch on long-context SFT, docs/benchmarks.md).
         if not self._attached:
             return
-        if not self._entered:
-            self._enter_minibatch()
-        if self._publish_pending:
-            self._publish_pending = False
-            with torch.profiler.record_function("odc::publish_all"):
-                self._publish_unpublished()
+        t0 = perf_counter()
+        try:
+            if not self._entered:
+                self._enter_minibatch()
+            if self._publish_pending:
+                self._publish_pending = False
+                with torch.profiler.record_function("odc::publish_all"):
+                    self._publish_unpublished()
+        finally:
+            self._clock.s += perf_counter() - t0
 
     def _check_step(self, optimizer, args, kwargs) -> None:
+        t0 = perf_counter()
+        try:
+            self._check_step_impl(optimizer)
+        finally:
+            self._clock.s += perf_counter() - t0
+
+    def _check_step_impl(self, optimizer) -> None:
         # Raises before the step changes anything. A step over this model's parameters needs
         # a barrier since this optimizer's last step (on a rank that ran no microbatch nothing
         # else would notice: peers would read its post-step shards in the minibatch), and no
@@ -607,7 +658,9 @@ class Handle:
         self._stepped.add(id(optimizer))
 
     def stats(self) -> dict:
-        return self._backend._stats()
+        out = self._backend._stats()
+        out["host_s"] = self._clock.s  # see _HostClock
+        return out
 
     def detach(self) -> None:
         """Restores FSDP2's own all-gather and reduce-scatter and releases the engine.

@@ -42,6 +42,7 @@ void EngineStats::add(const EngineStats& o) {
   bytes_pushed += o.bytes_pushed;
   publish_wait_s += o.publish_wait_s;
   barrier_s += o.barrier_s;
+  barrier_wait_s += o.barrier_wait_s;
   minibatches += o.minibatches;
 }
 
@@ -427,7 +428,9 @@ void Engine::arrive(Stream stream, const std::function<void(Phase, bool)>& trace
     }
   }
   if (trace) trace(Phase::kArriveWaitDevice, true);
+  const auto t_device = Clock::now();
   transport_->quiesce(stream);  // every push of this rank has landed
+  double waited = secondsSince(t_device);
   if (trace) trace(Phase::kArriveWaitDevice, false);
   const uint64_t arrived_with = collectives_.load();
   transport_->storeControl(layout_.controlArrivalCollectives(epoch_), arrived_with);
@@ -438,7 +441,9 @@ void Engine::arrive(Stream stream, const std::function<void(Phase, bool)>& trace
   transport_->storeControl(layout_.controlArrived(), epoch_);
   arrived_ = true;
   if (trace) trace(Phase::kArriveWaitPeers, true);
+  const auto t_peers = Clock::now();
   waitAll(layout_.controlArrived(), "arrive at", /*check_collectives=*/true);
+  waited += secondsSince(t_peers);
   if (trace) trace(Phase::kArriveWaitPeers, false);
   // Every rank has arrived: the counts they arrived with are what they ran in this minibatch
   // (a peer may already run collectives of the next one: its live count is not compared).
@@ -458,6 +463,7 @@ void Engine::arrive(Stream stream, const std::function<void(Phase, bool)>& trace
   }
   // The minibatch's work is over: its counters become "last".
   current_.barrier_s += secondsSince(t0);
+  current_.barrier_wait_s += waited;
   current_.minibatches = 1;
   last_ = current_;
   total_.add(current_);

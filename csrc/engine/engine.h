@@ -53,6 +53,8 @@ struct EngineStats {
   uint64_t bytes_pushed = 0;
   double publish_wait_s = 0;  // time spent waiting for peers' publishes
   double barrier_s = 0;       // time inside the minibatch barrier
+  // Host time the barrier only waited: for this rank's device work, then for the peers.
+  double barrier_wait_s = 0;
   uint64_t minibatches = 0;
 
   void add(const EngineStats& o);

@@ -51,13 +51,16 @@ import torch_odc
 from torch_odc import balance
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal}
+WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal,
+             # RL as RL trainers run it: the same sequences as "rl" (same seed), packed into
+             # microbatches of up to --rl-pack-tokens tokens (document-causal varlen attention).
+             "rl-packed": rl_like}
 MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
     "1b": (2048, 19, 16, 8, 5632, 32000),  # 1.03e9 parameters
     "tiny": (64, 2, 4, 2, 176, 512),
 }
 H200_BF16_DENSE_FLOPS = 989.4e12
-COMM_KERNELS = ("nccl", "publishKernel", "Memcpy PtoP",
+COMM_KERNELS = ("nccl", "publishKernel", "publishFlagsKernel", "Memcpy PtoP",
                 "odcWaitAll", "odcGather", "odcPush")
 
 
@@ -451,7 +454,13 @@ def uncovered(spans, cover):
     return total
 
 
-def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost):
+def pack_tokens_of(workload: str, args) -> int:
+    """The token cap of the workload's microbatches (1: one sequence per microbatch)."""
+    return args.rl_pack_tokens if workload == "rl-packed" else args.pack_tokens
+
+
+def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost, pack=None):
+    pack = args.pack_tokens if pack is None else pack
     vocab = MODELS[args.model][5]
     odc = cfg.startswith("odc")
     # "odc-mini-lazy": shards published at each module's first all-gather instead of up front.
@@ -467,7 +476,7 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
     for mb, lengths in enumerate(workload_lengths):
-        plan = plans(lengths, world, mode, cost, args.pack_tokens)
+        plan = plans(lengths, world, mode, cost, pack)
         total_tokens = int(sum(lengths))
         # warmup, measured (tokens/s), then one profiled minibatch (busy/idle timeline): the
         # profiler's per-kernel overhead stays out of the throughput numbers.
@@ -720,6 +729,8 @@ def main():
     p.add_argument("--pack-tokens", type=int, default=1,
                    help="token cap of a microbatch: sequences are packed back to back with "
                         "document-causal (varlen flash) attention; 1 = one sequence each")
+    p.add_argument("--rl-pack-tokens", type=int, default=16384,
+                   help="token cap of the rl-packed workload's microbatches")
     p.add_argument("--minibatches", type=int, default=3, help="measured minibatches")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cost", choices=["calibrated", "flops"], default="calibrated",
@@ -767,14 +778,13 @@ def main():
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Llama(*MODELS[args.model]).parameters())
     if args.cost == "flops":
-        cost = time_cost(CostModel(1.0, 1.0, 0.0), n_params, layers, dim, args.pack_tokens)
+        fit = CostModel(1.0, 1.0, 0.0)
         calibration = None
     else:
         if args.calibration:
             fit = CostModel.parse(args.calibration)
         else:
             fit = calibrate(args, device, nccl_group)
-        cost = time_cost(fit, n_params, layers, dim, args.pack_tokens)
         calibration = {"dense_flops_per_s": fit.dense_rate, "attention_flops_per_s": fit.attn_rate,
                        "floor_s": fit.floor}
         if rank == 0:
@@ -791,6 +801,9 @@ def main():
     if sync_report:
         sync_report.__enter__()
     for w in args.workloads:
+        # The planner's cost per workload: a packed sequence pays its token share of the floor.
+        pack = pack_tokens_of(w, args)
+        cost = time_cost(fit, n_params, layers, dim, pack)
         rng = np.random.default_rng(1234)
         lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
                                   * args.length_scale).astype(np.int64))
@@ -799,7 +812,7 @@ def main():
         entry = {"configs": {}}
         for cfg in configs:
             out = run_config(cfg.split("#")[0], args, device, world, rank, lengths, nccl_group,
-                             cost)
+                             cost, pack)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:
@@ -823,13 +836,13 @@ def main():
                           f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
                           f"alloc {pr['allocator']}", flush=True)
         if rank == 0:
-            ratios = [plans(x, world, "micro", cost, args.pack_tokens).makespan
-                      / plans(x, world, "mini", cost, args.pack_tokens).makespan
+            ratios = [plans(x, world, "micro", cost, pack).makespan
+                      / plans(x, world, "mini", cost, pack).makespan
                       for x in measured]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
 
-            def idle_bound(x, mode):  # the idle the plan itself implies, by its cost model
-                p = plans(x, world, mode, cost, args.pack_tokens)
+            def idle_bound(x, mode, cost=cost, pack=pack):  # the idle the plan itself implies
+                p = plans(x, world, mode, cost, pack)
                 return 1.0 - sum(p.rank_costs) / (world * p.makespan)
 
             # Whole sequences cannot be split: one that costs more than a rank's share forces
@@ -840,6 +853,7 @@ def main():
                        "profiled_minibatch": idle_bound(lengths[-1], mode)}
                 for mode in ("mini", "micro")}
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
+            entry["pack_tokens"] = pack
             results["workloads"][w] = entry
     if sync_report:
         sync_report.__exit__(None, None, None)
@@ -851,6 +865,7 @@ def main():
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
+            "git_commit": os.environ.get("ODC_GIT_COMMIT"),
             "model": args.model, "seqs_per_rank": args.seqs_per_rank,
             "pack_tokens": args.pack_tokens,
         }

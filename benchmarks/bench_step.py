@@ -60,8 +60,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
 # ODC's kernels by name (csrc/transport/cuda_ipc/kernels.cu): the issue's headline categories.
 ODC_KERNELS = (("odcGather", "odc_gather"), ("odcWait", "odc_wait"), ("odcPush", "odc_push"),
-               ("publishKernel", "odc_publish"))
-HEADLINE = tuple(cat for _, cat in ODC_KERNELS)
+               ("publishKernel", "odc_publish"), ("publishFlagsKernel", "odc_publish"))
+# Host ranges inside ODC's calls in which the host only waits: for its own GPU work (the
+# barrier's quiesce) and for the peers' arrival. "Host time outside the waits" excludes them.
+WAIT_RANGES = ("odc::wait_device", "odc::wait_peers")
+HEADLINE = tuple(dict.fromkeys(cat for _, cat in ODC_KERNELS))
 CATEGORIES = HEADLINE + ("odc_other", "nccl", "fsdp2_copy_in", "fsdp2_copy_out", "fsdp2_reduce",
                          "fsdp2_other", "optimizer", "compute")
 # Host ranges a launch is attributed to (the innermost one that encloses it, on its thread).
@@ -169,8 +172,10 @@ def gpu_breakdown(events) -> dict:
 
 def host_odc_time(events) -> dict:
     """Host time (us) inside ODC calls: per kind (`odc::gather`, `odc::push`, ...: nested
-    kinds are each counted in full) and in total (the union of all ODC ranges per thread)."""
-    kinds, spans = {}, {}
+    kinds are each counted in full), in total (the union of all ODC ranges per thread), the
+    part of it the host spent waiting (`WAIT_RANGES`: for its own GPU work at the barrier and
+    for the peers' arrival) and the rest, ODC's own host work (`outside_waits_us`)."""
+    kinds, spans, waits = {}, {}, {}
     for e in events:
         if _is_device(e) or not e.name.startswith("odc::"):
             continue
@@ -179,7 +184,12 @@ def host_odc_time(events) -> dict:
         k["us"] += e.time_range.end - e.time_range.start
         k["calls"] += 1
         spans.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
-    return {"by_kind": kinds, "total_us": sum(merged_busy(s)[0] for s in spans.values())}
+        if kind in WAIT_RANGES:
+            waits.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
+    total = sum(merged_busy(s)[0] for s in spans.values())
+    waited = sum(merged_busy(s)[0] for s in waits.values())
+    return {"by_kind": kinds, "total_us": total, "waits_us": waited,
+            "outside_waits_us": total - waited}
 
 
 class Phases:
@@ -262,6 +272,7 @@ def run_config(cfg, args, device, group) -> dict:
                 prof.step()  # recording starts
             sync(device)
             dist.barrier()  # the ranks start together (Gloo; no device collective)
+            before = handle.stats() if odc else None
             phases = Phases(device)
             t0 = time.perf_counter()
             phases.mark()
@@ -282,6 +293,14 @@ def run_config(cfg, args, device, group) -> dict:
                 moved = handle.stats()["last"]  # this minibatch's counters
             micro_s, barrier_s, step_s = phases.seconds()
             row = {"wall_s": wall, "micro_s": micro_s, "barrier_s": barrier_s, "step_s": step_s}
+            if odc and "host_s" in before:
+                # ODC's own host time without the profiler: its entry points' host clock
+                # (torch_odc.stats()["host_s"]) less the barrier's waits.
+                after = handle.stats()
+                waits = [sum(x["total"].get(k, 0.0) for k in ("barrier_wait_s", "publish_wait_s"))
+                         for x in (before, after)]
+                row["odc_host_s"] = after["host_s"] - before["host_s"]
+                row["odc_host_wait_s"] = waits[1] - waits[0]
             if profiled:
                 events = prof.events()
                 prof_out = {"row": row, "gpu": gpu_breakdown(events) if device.type == "cuda"
@@ -375,6 +394,16 @@ def summarize(cfg, per_rank) -> dict:
     for phase in ("micro_s", "barrier_s", "step_s"):
         out[phase + "_median"] = statistics.median(
             max(r[cfg]["rows"][i][phase] for r in per_rank) for i in range(n))
+    if all("odc_host_s" in row for r in per_rank for row in r[cfg]["rows"]):
+        # Unprofiled: per rank, the median over the measured minibatches of ODC's host time
+        # outside the barrier's waits; the worst rank against the median minibatch.
+        own = [statistics.median(row["odc_host_s"] - row["odc_host_wait_s"]
+                                 for row in r[cfg]["rows"]) for r in per_rank]
+        out["host_odc_unprofiled_ms_per_rank"] = [1e3 * x for x in own]
+        out["host_odc_unprofiled_waits_ms_per_rank"] = [
+            1e3 * statistics.median(row["odc_host_wait_s"] for row in r[cfg]["rows"])
+            for r in per_rank]
+        out["host_odc_unprofiled_share_max"] = max(own) / out["minibatch_s_median"]
     gpus = [r[cfg]["profiled"]["gpu"] for r in per_rank]
     if all(g is not None for g in gpus):
         out["gpu_ms_per_rank"] = [{k: v / 1e3 for k, v in g["by_category_us"].items()}
@@ -390,6 +419,13 @@ def summarize(cfg, per_rank) -> dict:
         out["activities_per_rank"] = [g["activities"] for g in gpus]
     hosts = [r[cfg]["profiled"]["host_odc"] for r in per_rank]
     out["host_odc_ms_per_rank"] = [h["total_us"] / 1e3 for h in hosts]
+    out["host_odc_waits_ms_per_rank"] = [h.get("waits_us", 0.0) / 1e3 for h in hosts]
+    out["host_odc_outside_waits_ms_per_rank"] = [
+        h.get("outside_waits_us", h["total_us"]) / 1e3 for h in hosts]
+    # ODC's own host work against the minibatch: its profiled time (the profiler inflates every
+    # range) over the median measured minibatch (not inflated), i.e. an upper bound.
+    out["host_odc_outside_waits_share_max"] = (
+        max(out["host_odc_outside_waits_ms_per_rank"]) / 1e3 / out["minibatch_s_median"])
     out["host_odc_by_kind_ms_per_rank"] = [
         {k: {"ms": v["us"] / 1e3, "calls": v["calls"]} for k, v in h["by_kind"].items()}
         for h in hosts]
@@ -441,7 +477,9 @@ def environment(args, world, device, gpus) -> dict:
         if cuda else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "git_commit": run("git", "-C", ROOT, "rev-parse", "HEAD"),
+        # ODC_GIT_COMMIT: a tree copied without its .git (device runs of `git archive`).
+        "git_commit": os.environ.get("ODC_GIT_COMMIT")
+        or run("git", "-C", ROOT, "rev-parse", "HEAD"),
         "git_dirty": dirty(),
         "args": vars(args),
     }
@@ -542,6 +580,34 @@ def table(result) -> str:
     rows.append(("host ms in ODC calls (max rank)",
                  [f"{max(result['configs'][c]['host_odc_ms_per_rank']):.1f}"
                   if c == "odc" else "-" for c in configs]))
+    if "host_odc_unprofiled_ms_per_rank" in result["configs"].get("odc", {}):
+        odc_cfg = result["configs"]["odc"]
+        rows.append(("ODC host ms outside waits, unprofiled (max)",
+                     [f"{max(odc_cfg['host_odc_unprofiled_ms_per_rank']):.1f}"
+                      if c == "odc" else "-" for c in configs]))
+        rows.append(("  share of the minibatch",
+                     [f"{odc_cfg['host_odc_unprofiled_share_max']:.2%}"
+                      if c == "odc" else "-" for c in configs]))
+    if "host_odc_outside_waits_ms_per_rank" in result["configs"].get("odc", {}):
+        odc_cfg = result["configs"]["odc"]
+        rows.append(("  outside the barrier's waits, profiled (max)",
+                     [f"{max(odc_cfg['host_odc_outside_waits_ms_per_rank']):.1f}"
+                      if c == "odc" else "-" for c in configs]))
+        rows.append(("  share of the minibatch",
+                     [f"{odc_cfg['host_odc_outside_waits_share_max']:.2%}"
+                      if c == "odc" else "-" for c in configs]))
+    odc_kinds = result["configs"].get("odc", {}).get("host_odc_by_kind_ms_per_rank")
+    if odc_kinds:
+        worst = {}
+        for rank_kinds in odc_kinds:
+            for kind, v in rank_kinds.items():
+                per_call = 1e3 * v["ms"] / max(1, v["calls"])
+                if per_call > worst.get(kind, (0.0, 0))[0]:
+                    worst[kind] = (per_call, v["calls"])
+        for kind in sorted(worst):
+            rows.append((f"  us per {kind} (worst rank, calls)",
+                         [f"{worst[kind][0]:.1f} ({worst[kind][1]})" if c == "odc" else "-"
+                          for c in configs]))
     width = max(len(r[0]) for r in rows) + 2
     lines = [result["title"], f"{'':<{width}}" + "".join(f"{c:>14}" for c in configs)]
     lines += [f"{name:<{width}}" + "".join(f"{v:>14}" for v in vals) for name, vals in rows]

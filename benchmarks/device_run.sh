@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2, 4 and 8 GPUs (those present), the training-step benchmark. Logs and results go to $OUT
-# (default: benchmarks/results).
+# (default: benchmarks/results). benchmarks/device_call.sh wraps it for the device tool (results
+# packed into one archive while it runs, so a call stopped at its limit still returns them).
 #   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench step memory sanitize e2e
 #   diag; all = tests,bench,step (ODC_BASELINE: see below)
 set -uo pipefail
@@ -11,6 +12,10 @@ what="${1:-all}"; [[ $what == all ]] && what="tests,bench,step"
 has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY="${PYTHON:-python3}"
+# ODC_DEADLINE (epoch seconds, set by device_call.sh from BUDGET_S): long stages shorten their
+# timeouts to end before it, and e2e runs that cannot finish are skipped.
+left() { if [[ -n ${ODC_DEADLINE:-} ]]; then echo $(( ODC_DEADLINE - $(date +%s) )); else echo 100000; fi; }
+capped() { local t=$1 l; l=$(( $(left) - 10 )); (( l < t )) && t=$l; (( t < 1 )) && t=1; echo "$t"; }
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
 # ODC_BASELINE=<tar of an earlier tree> (e.g. `git archive <commit> csrc setup.py pyproject.toml
@@ -34,14 +39,14 @@ with_base() { PYTHONPATH="$base${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 rc=0
 if has tests; then
   # TESTS: the test files or folders (default tests); TESTS_K: the -k expression.
-  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest ${TESTS:-tests} -q -k "${TESTS_K:-gpu or cuda}" -p no:cacheprovider --timeout=240 -rs \
+  timeout "$(capped "${TESTS_TIMEOUT:-420}")" "$PY" -m pytest ${TESTS:-tests} -q -k "${TESTS_K:-gpu or cuda}" -p no:cacheprovider --timeout=240 -rs \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if has bench; then
   for n in 2 4 8; do
     # With one GPU, 2 ranks share it (odc ops only: NCCL refuses two ranks on one GPU).
     (( n <= gpus || (n == 2 && gpus == 1) )) || continue
-    timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" ${TRANSPORT_ARGS:-} \
+    timeout "$(capped 240)" torchrun --nproc-per-node="$n" benchmarks/bench_transport.py --out "$OUT" ${TRANSPORT_ARGS:-} \
       2>&1 | tee "$OUT/bench_transport_${n}gpu.log" | tail -30 || rc=1
     if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *bench* ]]; then
       with_base timeout 240 torchrun --nproc-per-node="$n" benchmarks/bench_transport.py \
@@ -51,19 +56,27 @@ if has bench; then
 fi
 if has step; then
   # Issue 23: a training step (16 layers x 2048, bf16, 2 x 4096 tokens per rank) under FSDP2 +
-  # ODC: minibatch time, GPU time by category (ODC's kernels' share), host time in ODC calls,
-  # the plain-copy reference. 2 ranks sharing GPU 0 (estimated ~1 min on an H100, not yet
-  # measured), then with 2+ GPUs one rank per GPU with FSDP2 over NCCL beside it.
-  CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
-    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
-  if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *step* ]]; then
-    CUDA_VISIBLE_DEVICES=0 with_base timeout 240 torchrun --nproc-per-node=2 \
-      benchmarks/bench_step.py --out "$OUT/baseline" 2>&1 | grep -v -i warn \
-      | tee "$OUT/baseline/bench_step_1gpu.log" | tail -30 || rc=1
+  # ODC: minibatch time, GPU time by category (ODC's kernels' share), host time in ODC calls
+  # (and outside the barrier's waits, issue 30), the plain-copy reference. 2 ranks sharing GPU 0
+  # (STEP_SHARED=0 skips it), then with 2+ GPUs one rank per GPU with FSDP2 over NCCL beside
+  # it; the baseline tree (ODC_BASELINE) runs each beside the new one.
+  if [[ ${STEP_SHARED:-1} != 0 ]]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 240 torchrun --nproc-per-node=2 benchmarks/bench_step.py \
+      --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_step_1gpu.log" | tail -30 || rc=1
+    if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *step* ]]; then
+      CUDA_VISIBLE_DEVICES=0 with_base timeout 240 torchrun --nproc-per-node=2 \
+        benchmarks/bench_step.py --out "$OUT/baseline" 2>&1 | grep -v -i warn \
+        | tee "$OUT/baseline/bench_step_1gpu.log" | tail -30 || rc=1
+    fi
   fi
   if (( gpus >= 2 )); then
-    timeout 300 torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" 2>&1 \
-      | grep -v -i warn | tee "$OUT/bench_step_${gpus}gpu.log" | tail -30 || rc=1
+    timeout "$(capped 300)" torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py --out "$OUT" \
+      ${STEP_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/bench_step_${gpus}gpu.log" | tail -30 || rc=1
+    if [[ -n $base && ${ODC_BASELINE_FOR:-bench,step} == *step* ]]; then
+      with_base timeout "$(capped 300)" torchrun --nproc-per-node="$gpus" benchmarks/bench_step.py \
+        --out "$OUT/baseline" ${STEP_ARGS:-} 2>&1 | grep -v -i warn \
+        | tee "$OUT/baseline/bench_step_${gpus}gpu.log" | tail -30 || rc=1
+    fi
   fi
 fi
 if has memory; then
@@ -82,25 +95,34 @@ if has e2e; then
   # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
   # E2E_WORKLOADS / E2E_CONFIGS pick a subset (configs: nccl-micro odc-mini odc-micro, and
   # odc-mini-lazy: shards published at first all-gather, not up front).
+  # E2E_MB: measured minibatches per run (default 4 at 4 sequences per rank, 1 above);
+  # E2E_RL_PACK: the token cap of the rl-packed workload (RL sequences packed into varlen
+  # microbatches, reported beside "rl"). With ODC_DEADLINE, a run is skipped when less than
+  # E2E_RUN_S seconds (default 60) are left.
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
   cal="${E2E_CAL:-}"
   if [[ -z $cal ]]; then
-    cal=$(timeout 150 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
+    cal=$(timeout "$(capped "${E2E_CAL_TIMEOUT:-150}")" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
           --pack-tokens "$pack" 2>&1 | tee "$OUT/calibration.log" | grep -o 'CALIBRATION=.*' \
           | cut -d= -f2)
     [[ -n $cal ]] || { echo "cost-model calibration failed"; tail -20 "$OUT/calibration.log"; exit 1; }
   fi
   echo "cost model: $cal"
   for spr in ${E2E_SPR:-4 16}; do
-    mb=4; (( spr > 4 )) && mb=1
+    mb=4; (( spr > 4 )) && mb=1; mb="${E2E_MB:-$mb}"
     parts=()
-    for w in ${E2E_WORKLOADS:-long-context rl equal}; do
+    for w in ${E2E_WORKLOADS:-long-context rl rl-packed equal}; do
       for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do
         tag="p${spr}_${w}_${c}"
-        timeout 240 torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out /tmp/e2e_parts \
+        if (( $(left) < ${E2E_RUN_S:-60} )); then
+          echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e_${spr}spr.log"
+          rc=1; continue
+        fi
+        timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
           --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
-          --pack-tokens "$pack" --calibration "$cal" --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
-        if [[ -f /tmp/e2e_parts/$tag.json ]]; then parts+=("/tmp/e2e_parts/$tag.json"); else rc=1; fi
+          --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
+          --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
+        if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi
       done
     done
     (( ${#parts[@]} )) && "$PY" benchmarks/bench_e2e.py --merge "${parts[@]}" --out "$OUT" \

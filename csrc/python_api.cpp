@@ -64,6 +64,7 @@ py::dict statsDict(const torch_odc::EngineStats& s) {
   d["bytes_pushed"] = s.bytes_pushed;
   d["publish_wait_s"] = s.publish_wait_s;
   d["barrier_s"] = s.barrier_s;
+  d["barrier_wait_s"] = s.barrier_wait_s;
   return d;
 }
 
@@ -118,6 +119,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("published")->publishedThisEpoch(key);
            })
+      .def(
+          "_keyed_all_gather",
+          [](torch_odc::OdcBackend& self, int key, at::Tensor output, at::Tensor input,
+             bool async_op) {
+            py::gil_scoped_release nogil;
+            return self.keyedAllgatherCall(key, output, input, async_op);
+          },
+          py::arg("key"), py::arg("output"), py::arg("input"), py::arg("async_op") = false,
+          "The keyed all-gather of `key` (torch_odc's FSDP2 comm objects call it): None, or a "
+          "Work with async_op.")
+      .def(
+          "_keyed_reduce_scatter",
+          [](torch_odc::OdcBackend& self, int key, at::Tensor output, at::Tensor input,
+             const py::object& op, const std::vector<uint32_t>& params, double scale,
+             bool async_op) {
+            const auto reduce_op = op.cast<c10d::ReduceOp>();
+            py::gil_scoped_release nogil;
+            return self.keyedReduceScatterCall(key, output, input, reduce_op, params, scale,
+                                               async_op);
+          },
+          py::arg("key"), py::arg("output"), py::arg("input"), py::arg("op"),
+          py::arg("params") = std::vector<uint32_t>{}, py::arg("scale") = 1.0,
+          py::arg("async_op") = false,
+          "The keyed reduce-scatter (push) of `key`: `params` are the parameters the input "
+          "covers, in order (empty: every trainable one), `scale` a factor on top of `op`'s.")
+      .def(
+          "_publish_shards",
+          [](torch_odc::OdcBackend& self, const std::vector<int64_t>& keys,
+             const std::vector<std::vector<at::Tensor>>& sources) {
+            py::gil_scoped_release nogil;
+            return self.publishShards(keys, sources);
+          },
+          py::arg("keys"), py::arg("sources"),
+          "Publishes the keys not yet published in this minibatch from their all-gather "
+          "inputs (one multi-tensor copy into the shard caches); returns those it published.")
       .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
            py::call_guard<py::gil_scoped_release>())
       .def("_grad_params", [](torch_odc::OdcBackend& self,

@@ -108,6 +108,27 @@ def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
     assert h["by_kind"]["odc::publish_all"] == {"us": 30, "calls": 1}
     assert h["by_kind"]["odc::publish"] == {"us": 15, "calls": 1}
     assert h["total_us"] == 40 + 30 + 20  # nested publish counted once; device copies not
+    assert h["waits_us"] == 0 and h["outside_waits_us"] == h["total_us"]
+
+
+def test_host_time_outside_the_barriers_waits():
+    """The barrier's waits (for the own GPU, for the peers) are host time ODC only waits:
+    ODC's own host work is the union of its ranges less theirs."""
+    events = [
+        ev("odc::minibatch_barrier", 0, 100),
+        ev("odc::publish_shards", 2, 7),
+        ev("odc::barrier_arrive", 10, 90),
+        ev("odc::wait_device", 11, 30),
+        ev("odc::wait_peers", 31, 85),
+        ev("odc::gather layers.0", 200, 210),
+        ev("odc::push layers.0", 300, 320, thread=2),
+        ev("odc::reduce_scatter_call", 295, 322, thread=2),
+    ]
+    h = host_odc_time(events)
+    assert h["total_us"] == 100 + 10 + 27
+    assert h["waits_us"] == 19 + 54
+    assert h["outside_waits_us"] == 100 + 10 + 27 - 73
+    assert h["by_kind"]["odc::wait_peers"] == {"us": 54, "calls": 1}
 
 
 def test_breakdowns_read_real_profiler_events():
@@ -228,6 +249,12 @@ def test_bench_step_runs_and_reports(device, tmp_path):
         for kind in ("odc::gather", "odc::push", "odc::minibatch_barrier"):
             assert host[kind]["calls"] >= 1 and host[kind]["ms"] > 0, host
         assert host["odc::push"]["calls"] == moved["keyed_reduce_scatters"], host
+    # ODC's own host time measured without the profiler (torch_odc.stats()["host_s"] less the
+    # barrier's waits): positive and below the minibatch.
+    own = odc["host_odc_unprofiled_ms_per_rank"]
+    assert all(0 < ms < 1e3 * odc["minibatch_s_median"] for ms in own), odc
+    assert all(w >= 0 for w in odc["host_odc_unprofiled_waits_ms_per_rank"]), odc
+    assert 0 < odc["host_odc_unprofiled_share_max"] < 1
     for cfg, s in r["configs"].items():
         assert len(s["minibatch_s"]) == 2 and 0 < s["minibatch_s_median"] < 60, (cfg, s)
         assert 0 < s["micro_s_median"] < s["minibatch_s_median"] * 1.01, (cfg, s)

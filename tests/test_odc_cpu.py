@@ -260,16 +260,87 @@ def test_attach_without_fsdp_modules_is_a_value_error():
 
 
 def test_odc_operations_are_profiler_ranges():
-    # Rank 1 runs no microbatch: its keys are published by the barrier (odc::publish).
+    # Rank 1 runs no microbatch: its keys are published by the barrier (odc::publish_shards).
     names = run_ranks(2, profiled_minibatch, [2, 0])
     keys = {"layers.0", "layers.1"}
     for k in keys:
         assert f"odc::gather {k}" in names[0] and f"odc::push {k}" in names[0], names[0]
-        assert f"odc::publish {k}" in names[1], names[1]
+    assert "odc::reduce_scatter_call" in names[0] and "odc::unit_pre_forward" in names[0]
     for rank_names in names:
         # odc::barrier_release runs when a rank enters the next minibatch (not profiled here).
-        assert {"odc::minibatch_barrier", "odc::barrier_arrive"} <= set(rank_names), rank_names
+        assert {"odc::minibatch_barrier", "odc::barrier_arrive", "odc::wait_device",
+                "odc::wait_peers", "odc::publish_shards"} <= set(rank_names), rank_names
     # Rank 0 ran a forward (eager publish at its first); rank 1 ran none, so it published in
     # the barrier instead.
     assert "odc::publish_all" in names[0] and "odc::publish_all" not in names[1], names
 
+
+
+def _direct_keyed_calls(rank, world):
+    import torch_odc
+
+    b = torch_odc.odc_backend()
+    b._connect_engine([("a", 8, "bfloat16", [8], "float32"), ("b", 4, "float32", [4], "float32")],
+                      device_index=-1)
+    out = {}
+    try:
+        shard = torch.arange(8, dtype=FP32) / 3 + 100 * rank  # not exact in bf16: the cast
+        # One publish of both keys from their parameters' tensors (key "a" as two pieces, cast
+        # to its bf16 gather dtype by the copy); key "a" listed twice is copied once.
+        out["published"] = b._publish_shards(
+            [0, 1, 0], [[shard[:3], shard[3:]], [torch.full((4,), float(rank))], [shard]])
+        out["again"] = b._publish_shards([0, 1], [[shard], [torch.zeros(4)]])
+        gathered = torch.empty(world * 8, dtype=BF16)
+        own = gathered[rank * 8:(rank + 1) * 8]
+        own.copy_(shard)
+        out["sync_work"] = b._keyed_all_gather(0, gathered, own)
+        out["gathered"] = gathered
+        out["async_work"] = type(b._keyed_all_gather(1, torch.empty(world * 4),
+                                                     torch.full((4,), float(rank)), True)).__name__
+        # Pushes: SUM (the output is zeros until the barrier), PREMUL_SUM with a factor on top,
+        # AVG.
+        rs_in = torch.arange(world * 8, dtype=FP32)
+        rs_out = torch.ones(8)
+        b._keyed_reduce_scatter(0, rs_out, rs_in, dist.ReduceOp.SUM)
+        out["rs_out"] = rs_out.clone()
+        b._keyed_reduce_scatter(0, rs_out, rs_in, dist._make_nccl_premul_sum(0.5), [0], 2.0)
+        b._keyed_reduce_scatter(1, torch.zeros(4), torch.ones(world * 4), dist.ReduceOp.AVG)
+        for name, (keys, sources) in {
+            "size": ([0], [[torch.zeros(7)]]),
+            "device_or_dtype": ([0], [[torch.zeros(8, dtype=torch.int64)]]),
+            "unknown": ([5], [[torch.zeros(8)]]),
+        }.items():
+            try:
+                b._publish_shards(keys, sources)
+                out[name] = "no error"
+            except RuntimeError as err:
+                out[name] = str(err)
+        b._arrive()
+        out["acc"] = [b._accumulator(0).clone(), b._accumulator(1).clone()]
+        b._release()
+    finally:
+        b._disconnect_engine()
+    return out
+
+
+def test_direct_keyed_calls_and_one_publish_of_many_keys():
+    """The calls attach's comm objects make (no c10d dispatch): a publish of several keys from
+    their parameters' tensors in one copy (cast to the gather dtype, exactly as FSDP2's copy-in
+    does), gathers (None when synchronous, a Work when asynchronous) and pushes of every reduce
+    op; wrong shards are refused naming the key."""
+    world = 2
+    outs = run_ranks(world, _direct_keyed_calls)
+    want_gather = torch.cat([(torch.arange(8, dtype=FP32) / 3 + 100 * r).to(BF16)
+                             for r in range(world)])
+    for rank, out in enumerate(outs):
+        assert out["published"] == [0, 1] and out["again"] == [], out
+        assert out["sync_work"] is None and out["async_work"] == "Work", out
+        assert torch.equal(out["gathered"].view(torch.int16), want_gather.view(torch.int16))
+        assert torch.equal(out["rs_out"], torch.zeros(8))
+        rs = torch.arange(world * 8, dtype=FP32).view(world, 8)[rank]
+        # SUM, then PREMUL_SUM 0.5 x 2.0 from each rank: 2 x (sum over ranks of rank's chunk)
+        assert torch.equal(out["acc"][0], 2 * world * rs), out["acc"][0]
+        assert torch.equal(out["acc"][1], torch.ones(4))
+        assert "key 'a'" in out["size"] and "7 elements" in out["size"], out["size"]
+        assert "key 'a'" in out["device_or_dtype"], out["device_or_dtype"]
+        assert "unknown key #5" in out["unknown"], out["unknown"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,29 @@ def _is_placeholder(grad) -> bool:
     return grad is not None and isinstance(_fsdp2.local_tensor(grad), _NoGradBeforeBarrier)
 
 
+# Whether the profiler records (one C call): the per-call ranges below exist only then, since a
+# record_function costs more than the rest of a keyed call's Python.
+_profiling = torch.autograd._profiler_enabled
+
+
+class _HostClock:
+    """Host seconds spent in ODC's entry points (the comm calls FSDP2 makes, ODC's forward,
+    gradient and optimizer hooks, the barrier; the C++ calls they make included):
+    ``torch_odc.stats()[i]["host_s"]``. The barrier's waits are in it; the engine reports them
+    apart (``barrier_wait_s``). Not counted: the per-parameter hooks that only note which
+    parameters got a gradient (a set insertion each)."""
+
+    __slots__ = ("s",)
+
+    def __init__(self):
+        self.s = 0.0
+
+
 class _KeyedAllGather(_fsdp2.AllGather):
+    """FSDP2's all-gather of one unit, served by the engine: one call into the backend (no c10d
+    dispatch). Synchronous calls return None, as ``all_gather_into_tensor`` does: the copy is
+    ordered on the current stream (FSDP2's all-gather stream), which FSDP2 orders by events."""
+
     def __init__(self, handle: Handle, key: int):
         self._handle, self._key = handle, key
 
@@ -83,14 +106,17 @@ class _KeyedAllGather(_fsdp2.AllGather):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self._handle._enter_minibatch()
-        _C._set_keyed_call(self._key, self._handle._publishing)
+        t0 = perf_counter()
+        handle = self._handle
         try:
-            return dist.all_gather_into_tensor(
-                output_tensor, input_tensor, group=group, async_op=async_op
-            )
+            if not handle._entered:
+                handle._enter_minibatch()
+            if group is not handle._group:
+                raise RuntimeError(handle._wrong_group(self._key, "all-gather", group))
+            return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor,
+                                                     async_op)
         finally:
-            _C._set_keyed_call(-1)
+            handle._clock.s += perf_counter() - t0
 
 
 class _KeyedReduceScatter(_fsdp2.ReduceScatter):
@@ -101,31 +127,41 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self._handle._enter_minibatch()
-        key = self._handle._keys[self._key]
+        t0 = perf_counter()
+        try:
+            if _profiling():
+                with torch.profiler.record_function("odc::reduce_scatter_call"):
+                    return self._call(output_tensor, input_tensor, group, op, async_op)
+            return self._call(output_tensor, input_tensor, group, op, async_op)
+        finally:
+            self._handle._clock.s += perf_counter() - t0
+
+    def _call(self, output_tensor, input_tensor, group, op, async_op):
+        handle = self._handle
+        if not handle._entered:
+            handle._enter_minibatch()
+        if group is not handle._group:
+            raise RuntimeError(handle._wrong_group(self._key, "reduce-scatter", group))
+        key = handle._keys[self._key]
         params = key.take_pushed_params(input_tensor.numel() // key.world)
-        if key.hsdp and _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+        sets_grad = not key.hsdp or _fsdp2.sets_grad_after_reduce_scatter(key.unit)
+        if key.hsdp and sets_grad:
             raise RuntimeError(
-                f"torch_odc: {self._handle._where()}: FSDP2's per-microbatch all-reduce across "
+                f"torch_odc: {handle._where()}: FSDP2's per-microbatch all-reduce across "
                 f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
                 "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
                 "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
                 "Call set_requires_gradient_sync() before the forward."
             )
-        if _fsdp2.sets_grad_after_reduce_scatter(key.unit):
+        if sets_grad:
             # FSDP2 sets .grad of these parameters right after this call (it would add into a
             # placeholder); the hook it calls next puts the placeholder back.
             key.take_placeholders(params)
         # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
         # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
-        scale = _fsdp2.push_scale(key.unit, input_tensor.dtype)
-        _C._set_keyed_call(self._key, params=params, scale=scale)
-        try:
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
-        finally:
-            _C._set_keyed_call(-1)
+        scale = key.push_scale(input_tensor.dtype)
+        return handle._backend._keyed_reduce_scatter(
+            self._key, output_tensor, input_tensor, op, params, scale, async_op)
 
 
 class _Key:
@@ -156,12 +192,61 @@ class _Key:
         # Parameters reduce-scattered since this rank entered the minibatch.
         self.reduced: set[int] = set()
         self._where = None  # set by attach: "rank r, minibatch m" for messages
+        # Made once and reused every minibatch (no tensor or DTensor built per call): per
+        # parameter its accumulator span (set_accumulator), the DTensor .grad that views it
+        # (first barrier) and the no-memory placeholder (first use, after FSDP2's lazy init).
+        self.spans: list = [None] * len(unit.params)
+        self._grad_views: list = [None] * len(unit.params)
+        self._placeholders: list = [None] * len(unit.params)
+        self._scales: dict = {}  # push_scale by (reduce dtype, FSDP2's divide settings)
+        self.clock = _HostClock()  # the handle's (set by attach)
+        self._order = None  # take_pushed_params: FSDP2's order, and every trainable one in it
+        self._all_trainable: list[int] = []
+        self._all_trainable_set: set[int] = set()
+        self._all_numel = 0
+
+    def set_accumulator(self, accumulator: torch.Tensor | None) -> None:
+        self.accumulator = accumulator
+        self.spans = [None] * len(self.unit.params)
+        self._grad_views = [None] * len(self.unit.params)
+        if accumulator is None:
+            return
+        for index, fp in enumerate(self.unit.params):
+            if self.grad_numels[index]:
+                self.spans[index] = _fsdp2.shard_view(fp, accumulator, self.accum_offsets[index])
+
+    def grad_view(self, index: int):
+        """Parameter `index`'s sharded .grad as FSDP2 sets it (a DTensor), viewing its span."""
+        view = self._grad_views[index]
+        if view is None:
+            view = self._grad_views[index] = _fsdp2.sharded_dtensor(
+                self.unit.params[index], self.spans[index])
+        return view
+
+    def push_scale(self, reduce_dtype: torch.dtype) -> float:
+        """`_fsdp2.push_scale`, cached per reduce dtype and divide settings (read per call:
+        set_gradient_divide_factor may change them between minibatches)."""
+        cache_key = (reduce_dtype, *_fsdp2.divide_settings(self.unit))
+        scale = self._scales.get(cache_key)
+        if scale is None:
+            scale = self._scales[cache_key] = _fsdp2.push_scale(self.unit, reduce_dtype)
+        return scale
 
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
                 _DTYPE_NAMES[self.accum_dtype])
 
     def before_forward(self) -> None:
+        t0 = perf_counter()
+        try:
+            if _profiling():
+                with torch.profiler.record_function("odc::unit_pre_forward"):
+                    return self._before_forward()
+            return self._before_forward()
+        finally:
+            self.clock.s += perf_counter() - t0
+
+    def _before_forward(self) -> None:
         self.watch_grads()
         self.restore_placeholders()
         if self.hsdp:
@@ -212,15 +297,26 @@ class _Key:
                 lambda p, i=index: self._drop_fsdp_grad(i, p)))
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
+        t0 = perf_counter()
         if self.prior[index] is not _USER:
             self.place_placeholder(index)
+        self.clock.s += perf_counter() - t0
 
     def place_placeholder(self, index: int) -> None:
         """Puts the no-memory placeholder in parameter `index`'s ``.grad`` (see
-        :class:`_NoGradBeforeBarrier`)."""
-        size, stride, dtype, device = _fsdp2.grad_meta(self.unit.params[index])
-        _fsdp2.set_grad(self.unit.params[index], _NoGradBeforeBarrier(
-            size, stride, dtype, device, _param_name(self.unit, index), self._where))
+        :class:`_NoGradBeforeBarrier`), made once per parameter."""
+        fp = self.unit.params[index]
+        placeholder = self._placeholders[index]
+        if placeholder is None:
+            size, stride, dtype, device = _fsdp2.grad_meta(fp)
+            placeholder = self._placeholders[index] = _fsdp2.sharded_dtensor(
+                fp, _NoGradBeforeBarrier(size, stride, dtype, device,
+                                         _param_name(self.unit, index), self._where))
+        _fsdp2.sharded_param(fp).grad = placeholder
+
+    def forget_placeholders(self) -> None:
+        """Drops the cached placeholders (FSDP2's lazy init may change the gradient dtype)."""
+        self._placeholders = [None] * len(self.unit.params)
 
     def restore_placeholders(self) -> None:
         """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
@@ -243,27 +339,38 @@ class _Key:
 
     def take_placeholders(self, params: list[int]) -> None:
         """Before FSDP2 sets the .grad of `params` after their reduce-scatter: removes their
-        placeholders, raising first where the user dropped a gradient ODC cannot drop."""
-        dropped = [n for n in self.dropped_grads() if n in
-                   {_param_name(self.unit, i) for i in params}]
+        placeholders, raising first where the user dropped a gradient ODC cannot drop (as
+        dropped_grads, for these parameters)."""
+        prior, reduced, fps = self.prior, self.reduced, self.unit.params
+        grads = [_fsdp2.sharded_param(fps[i]).grad for i in params]
+        dropped = [_param_name(self.unit, i) for i, grad in zip(params, grads)
+                   if grad is None and prior[i] is not _USER
+                   and (prior[i] is not None or i in reduced)]
         if dropped:
             raise RuntimeError(_dropped_message(self._where(), dropped))
-        for index in params:
-            self.reduced.add(index)
-            if self.prior[index] is not _USER and _is_placeholder(
-                    _fsdp2.sharded_param(self.unit.params[index]).grad):
-                _fsdp2.set_grad(self.unit.params[index], None)
+        for index, grad in zip(params, grads):
+            reduced.add(index)
+            if prior[index] is not _USER and grad is not None and (
+                    grad is self._placeholders[index] or _is_placeholder(grad)):
+                _fsdp2.sharded_param(fps[index]).grad = None
 
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
-        return _fsdp2.shard_view(self.unit.params[index], self.accumulator,
-                                 self.accum_offsets[index])
+        return self.spans[index]
 
     def take_pushed_params(self, chunk_numel: int) -> list[int]:
         """The parameters one reduce-scatter input covers, in the input's order: those that got
         a gradient since the last one (or, where FSDP2 reduce-scatters zeros for unused
         parameters, every trainable one). Raises rather than guess."""
         order = _fsdp2.reduce_scatter_order(self.unit)
+        if order is not self._order:  # FSDP2's order object (made at its lazy init)
+            self._order = order
+            self._all_trainable = [i for i in order if self.grad_numels[i] > 0]
+            self._all_trainable_set = set(self._all_trainable)
+            self._all_numel = sum(self.grad_numels[i] for i in self._all_trainable)
+        if self._pushed == self._all_trainable_set and chunk_numel == self._all_numel:
+            self._pushed = set()  # the common case: every trainable parameter, in order
+            return self._all_trainable
         candidates = [[i for i in order if i in self._pushed]]
         if _fsdp2.reduces_unused_params(self.unit):
             candidates.append([i for i in order if self.grad_numels[i] > 0])
@@ -296,7 +403,10 @@ class Handle:
         self.model, self._backend, self._keys, self.device = model, backend, keys, device
         self._replicate = replicate_group  # HSDP: one all-reduce per minibatch across replicas
         self._group = None  # the shard group the engine runs over (set by attach)
-        self._publishing = False
+        self._lazy_done = False  # FSDP2's lazy init of every unit ran (_lazy_init)
+        self._clock = _HostClock()
+        for key in keys:
+            key.clock = self._clock
         self._attached = True
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
@@ -322,7 +432,30 @@ class Handle:
         minibatch = info["minibatch"] + (1 if self._backend._arrived else 0)
         return f"rank {info['rank']}, minibatch {minibatch}"
 
+    def _wrong_group(self, key: int, op: str, group) -> str:
+        return (f"torch_odc: {self._where()}: FSDP2's {op} of '{self._keys[key].name}' came "
+                f"with process group {group}, not the group the model was attached over "
+                f"({self._group}); re-attach after changing the mesh")
+
+    def _lazy_init(self) -> None:
+        """FSDP2's lazy init of every unit (idempotent; what its own ``unshard()`` runs first):
+        it may re-pad the sharded parameters (after ``load_state_dict(assign=True)``) and sets
+        the mixed-precision dtypes, so it runs before the first publish reads the shards."""
+        if self._lazy_done:
+            return
+        for key in self._keys:
+            _fsdp2.lazy_init(key.unit)
+            key.forget_placeholders()
+        self._lazy_done = True
+
     def barrier(self) -> None:
+        t0 = perf_counter()
+        try:
+            self._barrier()
+        finally:
+            self._clock.s += perf_counter() - t0
+
+    def _barrier(self) -> None:
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
         self._check_barrier()
@@ -363,6 +496,7 @@ class Handle:
         spans that do not carry it, and releases the accumulators to the peers' pushes."""
         if self._entered or not self._attached:
             return
+        self._lazy_init()
         self._entered = True
         b = self._backend
         releasing = b._arrived  # False only before the first minibatch after attach
@@ -375,7 +509,8 @@ class Handle:
                 grad = _fsdp2.sharded_grad(fp)
                 if grad is None or isinstance(grad, _NoGradBeforeBarrier):
                     key.prior[index] = None
-                elif releasing and _same_view(grad, key.span(index)):
+                elif releasing and (grad is key.spans[index]
+                                    or _same_view(grad, key.spans[index])):
                     # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
                     # Across HSDP replicas the accumulators are summed, so it is kept apart.
                     key.prior[index] = (grad.clone() if self._replicate is not None else _CARRY)
@@ -449,19 +584,24 @@ class Handle:
             )
 
     def _publish_unpublished(self) -> None:
-        """Publishes every key this rank has not published in this minibatch, through FSDP2's
-        own unshard() so the shard is exactly what a forward would all-gather (the gather
-        itself is publish-only: it reads no peer). Keys go in the same order on every rank and
-        a publish waits for nobody, so this cannot deadlock."""
-        b = self._backend
-        self._publishing = True
-        try:
-            for index, key in enumerate(self._keys):
-                if not b._published(index):
-                    key.unit.module.unshard()
-                    key.unit.module.reshard()
-        finally:
-            self._publishing = False
+        """Publishes every key this rank has not published in this minibatch: one copy of each
+        unit's shards into its published cache, exactly the bytes FSDP2's all-gather would send
+        (its all-gather input: each parameter's padded shard, cast to the param dtype; no
+        unsharded parameter is allocated and nothing is gathered), all units in one multi-tensor
+        copy on the current stream (after the optimizer step). A publish reads no peer and waits
+        for nobody, so this cannot deadlock."""
+        self._lazy_init()
+        keys, sources = [], []
+        for index, key in enumerate(self._keys):
+            dtype, shards = _fsdp2.all_gather_input(key.unit)
+            if dtype != key.gather_dtype:
+                raise RuntimeError(
+                    f"torch_odc: {self._where()}: FSDP2 now all-gathers '{key.name}' in {dtype}, "
+                    f"but it was attached with {key.gather_dtype}; re-attach after changing "
+                    "parameter or mixed-precision dtypes")
+            keys.append(index)
+            sources.append(shards)
+        self._backend._publish_shards(keys, sources)
 
     def _pre_forward(self, module, args) -> None:
         # The first forward of a minibatch publishes every shard up front. Published lazily (at
@@ -469,14 +609,27 @@ class Handle:
         # module for the owner to reach it: the first microbatch of every rank would advance
         # in lockstep with the slowest one, as under collectives (measured on 4 H200: up to
         # 0.23 s per minibatch on long-context SFT, docs/benchmarks.md).
-        if self._attached:
-            self._enter_minibatch()
-        if self._publish_pending and self._attached:
-            self._publish_pending = False
-            with torch.profiler.record_function("odc::publish_all"):
-                self._publish_unpublished()
+        if not self._attached:
+            return
+        t0 = perf_counter()
+        try:
+            if not self._entered:
+                self._enter_minibatch()
+            if self._publish_pending:
+                self._publish_pending = False
+                with torch.profiler.record_function("odc::publish_all"):
+                    self._publish_unpublished()
+        finally:
+            self._clock.s += perf_counter() - t0
 
     def _check_step(self, optimizer, args, kwargs) -> None:
+        t0 = perf_counter()
+        try:
+            self._check_step_impl(optimizer)
+        finally:
+            self._clock.s += perf_counter() - t0
+
+    def _check_step_impl(self, optimizer) -> None:
         # Raises before the step changes anything. A step over this model's parameters needs
         # a barrier since this optimizer's last step (on a rank that ran no microbatch nothing
         # else would notice: peers would read its post-step shards in the minibatch), and no
@@ -507,7 +660,9 @@ class Handle:
         self._stepped.add(id(optimizer))
 
     def stats(self) -> dict:
-        return self._backend._stats()
+        out = self._backend._stats()
+        out["host_s"] = self._clock.s  # see _HostClock
+        return out
 
     def detach(self) -> None:
         """Restores FSDP2's own all-gather and reduce-scatter and releases the engine.
@@ -534,7 +689,7 @@ class Handle:
                 elif key.grad_numels[index] and grad is not None and _same_view(
                         grad, key.span(index)):
                     _fsdp2.set_grad(fp, grad.clone())
-            key.accumulator = None
+            key.set_accumulator(None)
             if self._replicate is not None:
                 key.unit.module.set_requires_all_reduce(True, recurse=False)
             key.unit.module.set_custom_all_gather(key.prev_all_gather)
@@ -584,7 +739,7 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
         if not got and prior is None:
             _fsdp2.set_grad(fp, None)
         elif span.dtype == _fsdp2.grad_dtype(fp):
-            _fsdp2.set_grad(fp, span)
+            _fsdp2.sharded_param(fp).grad = key.grad_view(index)
         else:  # e.g. bf16 parameters without mixed precision: a copy, rounded once
             _fsdp2.set_grad(fp, span.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
 
@@ -642,7 +797,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
         key._where = handle._where
-        key.accumulator = backend._accumulator(index)
+        key.set_accumulator(backend._accumulator(index))
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
             key.unit.module.set_requires_all_reduce(False, recurse=False)

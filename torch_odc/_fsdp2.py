@@ -74,6 +74,7 @@ class Unit:
     group: object  # FSDPParamGroup
     params: list  # FSDPParam, in the group's order
     param_names: list = field(default_factory=list)  # qualified names, for messages
+    default_order: tuple = ()  # reduce_scatter_order where FSDP2 keeps none (2.11)
 
     @property
     def module(self) -> FSDPModule:
@@ -265,6 +266,39 @@ def set_grad(fp, grad: torch.Tensor | None) -> None:
     fp.sharded_param.grad = None if grad is None else fp.to_sharded_dtensor(grad)
 
 
+def sharded_dtensor(fp, local: torch.Tensor):
+    """`local` (this rank's shard of the parameter, e.g. a gradient) as the DTensor FSDP2 puts in
+    the sharded ``.grad`` (``FSDPParam.to_sharded_dtensor``: same in 2.11 and 2.15)."""
+    return fp.to_sharded_dtensor(local)
+
+
+def lazy_init(unit: Unit) -> None:
+    """FSDP2's lazy init of the unit's param group (``FSDPParamGroup.lazy_init``, which the public
+    ``FSDPModule.unshard()`` runs first; idempotent, same in 2.11 and 2.15): re-pads sharded
+    parameters replaced since ``fully_shard`` and sets the mixed-precision dtypes."""
+    unit.group.lazy_init()
+
+
+def all_gather_input(unit: Unit) -> tuple[torch.dtype, list[torch.Tensor]]:
+    """What FSDP2's all-gather of this unit sends from this rank, without running it: the dtype
+    (the mixed-precision param dtype, else the parameters' own) and, per parameter in the
+    group's order, the tensor whose bytes (cast to that dtype) are its part: the padded flat
+    shard ``FSDPParam._sharded_param_data`` (2.11 and 2.15: ``_get_param_all_gather_inputs``
+    and ``FSDPParam.all_gather_inputs`` in the sharded state, without extensions or CPU
+    offload, which attach refuses). Laid back to back they are the all-gather input. Call after
+    `lazy_init`."""
+    data = [fp._sharded_param_data for fp in unit.params]
+    first = unit.params[0]
+    dtype = (first.__dict__.get("param_dtype") or data[0].dtype) if data else torch.float32
+    return dtype, data
+
+
+def divide_settings(unit: Unit) -> tuple:
+    """The param group's settings that `push_scale` depends on besides the reduce dtype."""
+    group = unit.group
+    return group.gradient_divide_factor, group.force_sum_reduction_for_comms
+
+
 def sharded_param(fp) -> torch.nn.Parameter:
     """The parameter the optimizer sees (a DTensor); FSDP2 calls its post-accumulate-grad hooks
     after it sets or accumulates its ``.grad`` in each reduce-scatter's post-reduce."""
@@ -286,10 +320,16 @@ def unsharded_param(fp):
     return fp.__dict__.get("_unsharded_param")
 
 
-def reduce_scatter_order(unit: Unit) -> list[int]:
-    """Indices into `unit.params` in the order FSDP2 lays out the reduce-scatter input."""
+def reduce_scatter_order(unit: Unit):
+    """Indices into `unit.params` in the order FSDP2 lays out the reduce-scatter input (a
+    sequence owned by FSDP2 or the unit: the same object while the order stays the same; do not
+    modify it)."""
     order = getattr(unit.group, "_reduce_scatter_param_indices", None)
-    return list(order) if order else list(range(len(unit.params)))
+    if order:
+        return order
+    if len(unit.default_order) != len(unit.params):
+        unit.default_order = tuple(range(len(unit.params)))
+    return unit.default_order
 
 
 def reduces_unused_params(unit: Unit) -> bool:

@@ -1,8 +1,11 @@
 #include "backend/odc_backend.h"
 
+#include <ATen/Functions.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
+#include <optional>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "transport/shm/shm_transport.h"
@@ -17,6 +20,58 @@
 #endif
 
 namespace torch_odc {
+
+namespace {
+
+// One ODC operation as a range in the PyTorch profiler (record_function, user scope) and, in
+// CUDA builds, in NVTX (Nsight Systems). The name is referenced, not copied: it must outlive the
+// range (the engine's per-key names do; a temporary string is kept by the owning constructor).
+class OpRange {
+ public:
+  explicit OpRange(const std::string& name) : name_(&name), rf_(at::RecordScope::USER_SCOPE) {
+    begin();
+  }
+  explicit OpRange(const char* name)
+      : owned_(name), name_(&owned_), rf_(at::RecordScope::USER_SCOPE) {
+    begin();
+  }
+  ~OpRange() {
+#ifdef ODC_WITH_CUDA
+    nvtxRangePop();
+#endif
+  }
+  OpRange(const OpRange&) = delete;
+  OpRange& operator=(const OpRange&) = delete;
+
+ private:
+  void begin() {
+    if (rf_.isActive()) rf_.before(std::string_view(*name_), c10::ArrayRef<const c10::IValue>{});
+#ifdef ODC_WITH_CUDA
+    nvtxRangePushA(name_->c_str());
+#endif
+  }
+  std::string owned_;
+  const std::string* name_;  // outlives rf_, which may keep a view of it
+  at::RecordFunction rf_;
+};
+
+at::ScalarType scalarTypeOf(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kFloat64:
+      return at::kDouble;
+    case DType::kByte:
+      return at::kByte;
+  }
+  return at::kByte;
+}
+
+}  // namespace
 
 using c10d::Work;
 using WorkPtr = c10::intrusive_ptr<Work>;
@@ -233,8 +288,12 @@ WorkPtr OdcBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
 
 WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                     const c10d::AllgatherOptions& opts) {
-  if (const int key = currentKeyedCall().key; key >= 0) {
-    return keyedAllgather(key, output, input);
+  if (const auto& call = currentKeyedCall(); call.key >= 0) {
+    const auto held = engine("keyed all-gather");
+    OpRange range(held->opName(call.publish_only ? Engine::Op::kPublish : Engine::Op::kGather,
+                               static_cast<size_t>(call.key)));
+    keyedAllgather(*held, call.key, output, input, call.publish_only);
+    return keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input);
   }
   if (input.device().is_cpu() && input.is_contiguous() && output.is_contiguous() &&
       output.numel() == size_ * input.numel() &&
@@ -292,8 +351,11 @@ WorkPtr OdcBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
 
 WorkPtr OdcBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                          const c10d::ReduceScatterOptions& opts) {
-  if (const int key = currentKeyedCall().key; key >= 0) {
-    return keyedReduceScatter(key, output, input, opts);
+  if (const auto& call = currentKeyedCall(); call.key >= 0) {
+    const auto held = engine("keyed reduce-scatter");
+    OpRange range(held->opName(Engine::Op::kPush, static_cast<size_t>(call.key)));
+    keyedReduceScatter(*held, call.key, output, input, opts.reduceOp, call.params, call.scale);
+    return keyedWork(c10d::OpType::_REDUCE_SCATTER_BASE, output, input);
   }
   return forward(input.device().type(),
                  [&](c10d::Backend& b) { return b._reduce_scatter_base(output, input, opts); });
@@ -484,29 +546,6 @@ class CudaEventWork : public c10d::Work {
 };
 #endif
 
-// One ODC operation as a range in the PyTorch profiler (record_function, user scope) and, in
-// CUDA builds, in NVTX (Nsight Systems).
-class OpRange {
- public:
-  explicit OpRange(std::string name) : name_(std::move(name)), rf_(at::RecordScope::USER_SCOPE) {
-    rf_.before(std::string_view(name_), c10::ArrayRef<const c10::IValue>{});
-#ifdef ODC_WITH_CUDA
-    nvtxRangePushA(name_.c_str());
-#endif
-  }
-  ~OpRange() {
-#ifdef ODC_WITH_CUDA
-    nvtxRangePop();
-#endif
-  }
-  OpRange(const OpRange&) = delete;
-  OpRange& operator=(const OpRange&) = delete;
-
- private:
-  std::string name_;  // outlives rf_, which may keep a view of it
-  at::RecordFunction rf_;
-};
-
 // Translates c10d errors of the engine into c10::Error with the same text.
 template <typename F>
 void engineCall(F&& f) {
@@ -600,7 +639,19 @@ void OdcBackend::barrierArrive() {
   OpRange range("odc::barrier_arrive");
   const auto held = engine("minibatch barrier");
   auto& eng = *held;
-  engineCall([&] { eng.arrive(barrierStream(eng)); });
+  // The two waits inside, as ranges of their own: the time the host only waits (for this rank's
+  // GPU work, then for the peers), apart from the barrier's own work.
+  std::optional<OpRange> wait;
+  engineCall([&] {
+    eng.arrive(barrierStream(eng), [&](Engine::Phase phase, bool begin) {
+      if (begin) {
+        wait.emplace(phase == Engine::Phase::kArriveWaitDevice ? "odc::wait_device"
+                                                               : "odc::wait_peers");
+      } else {
+        wait.reset();
+      }
+    });
+  });
 }
 
 void OdcBackend::barrierRelease(bool zero) {
@@ -626,9 +677,8 @@ std::string OdcBackend::cudaTransportProblem(int device_index) {
 #endif
 }
 
-WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& input) {
-  const auto held = engine("keyed all-gather");
-  auto& eng = *held;
+void OdcBackend::keyedAllgather(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
+                                bool publish_only) {
   const Stream stream = keyedStream(eng, input, output, "all-gather", key);
   engineCall([&] { checkTransportErrors(eng); });
   TORCH_CHECK(input.is_contiguous() && output.is_contiguous() &&
@@ -636,24 +686,43 @@ WorkPtr OdcBackend::keyedAllgather(int key, at::Tensor& output, at::Tensor& inpu
               "odc: rank ", rank_, ": keyed all-gather needs contiguous tensors of one dtype");
   const auto dtype = toOdcDtype(input.scalar_type());
   const size_t in_bytes = input.numel() * input.element_size();
-  const bool publish_only = currentKeyedCall().publish_only;
-  OpRange range(std::string(publish_only ? "odc::publish " : "odc::gather ") +
-                eng.layout().key(static_cast<size_t>(key)).name);
   engineCall([&] {
-    if (currentKeyedCall().publish_only) {
+    if (publish_only) {
       eng.publish(static_cast<size_t>(key), input.data_ptr(), in_bytes, dtype, stream);
     } else {
       eng.gather(static_cast<size_t>(key), output.data_ptr(), input.data_ptr(), in_bytes,
                  output.numel() * output.element_size(), dtype, stream);
     }
   });
-  return keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input);
 }
 
-WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
-                                       const c10d::ReduceScatterOptions& opts) {
-  const auto held = engine("keyed reduce-scatter");
-  auto& eng = *held;
+namespace {
+
+// The factor a reduce op applies to each rank's contribution (SUM 1, AVG 1/world, PREMUL_SUM
+// its factor); other ops are refused.
+double reduceScale(const c10d::ReduceOp& op, int rank, int world, const std::string& name) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return 1.0;
+    case c10d::ReduceOp::AVG:
+      return 1.0 / world;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK(s, "odc: PREMUL_SUM without a factor");
+      return s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
+    }
+    default:
+      TORCH_CHECK(false, "odc: rank ", rank, ": keyed reduce-scatter of key '", name,
+                  "' supports SUM, AVG and PREMUL_SUM, not reduce op ", static_cast<int>(op.op_));
+  }
+  return 1.0;
+}
+
+}  // namespace
+
+void OdcBackend::keyedReduceScatter(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
+                                    const c10d::ReduceOp& op, const std::vector<uint32_t>& params,
+                                    double extra_scale) {
   const auto& name = eng.layout().key(static_cast<size_t>(key)).name;
   const Stream stream = keyedStream(eng, input, output, "reduce-scatter", key);
   engineCall([&] { checkTransportErrors(eng); });
@@ -662,34 +731,117 @@ WorkPtr OdcBackend::keyedReduceScatter(int key, at::Tensor& output, at::Tensor& 
   TORCH_CHECK(output.numel() * size_ == input.numel(), "odc: rank ", rank_,
               ": keyed reduce-scatter of key '", name, "': output has ", output.numel(),
               " elements, input ", input.numel(), " (expected world size ", size_, " x output)");
-  double scale = 1.0;
-  switch (opts.reduceOp.op_) {
-    case c10d::ReduceOp::SUM:
-      break;
-    case c10d::ReduceOp::AVG:
-      scale = 1.0 / size_;
-      break;
-    case c10d::ReduceOp::PREMUL_SUM: {
-      const auto* s =
-          dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(opts.reduceOp.supplement_.get());
-      TORCH_CHECK(s, "odc: PREMUL_SUM without a factor");
-      scale = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "odc: rank ", rank_, ": keyed reduce-scatter of key '", name,
-                  "' supports SUM, AVG and PREMUL_SUM, not reduce op ",
-                  static_cast<int>(opts.reduceOp.op_));
-  }
-  const auto& call = currentKeyedCall();
-  OpRange range("odc::push " + name);
+  const double scale = reduceScale(op, rank_, size_, name);
   engineCall([&] {
     eng.push(static_cast<size_t>(key), input.data_ptr(), static_cast<size_t>(input.numel()),
-             toOdcDtype(input.scalar_type()), scale * call.scale, call.params, stream);
+             toOdcDtype(input.scalar_type()), scale * extra_scale, params, stream);
   });
-  // The reduced shard arrives at the minibatch barrier; until then FSDP2 accumulates zeros.
-  output.zero_();
-  return keyedWork(c10d::OpType::_REDUCE_SCATTER_BASE, output, input);
+  // The reduced shard arrives at the minibatch barrier; until then FSDP2 accumulates zeros
+  // (into a gradient of the user's own, or a partial HSDP output). One memset on the stream,
+  // without a dispatcher round per call.
+  const size_t bytes = static_cast<size_t>(output.numel()) * output.element_size();
+  if (!output.is_contiguous()) {
+    output.zero_();
+  } else if (output.is_cpu()) {
+    if (bytes) std::memset(output.data_ptr(), 0, bytes);
+  } else {
+#ifdef ODC_WITH_CUDA
+    if (bytes) {
+      C10_CUDA_CHECK(
+          cudaMemsetAsync(output.data_ptr(), 0, bytes, static_cast<cudaStream_t>(stream)));
+    }
+#else
+    output.zero_();
+#endif
+  }
+}
+
+WorkPtr OdcBackend::keyedAllgatherCall(int key, at::Tensor& output, at::Tensor& input,
+                                       bool async_op) {
+  const auto held = engine("keyed all-gather");
+  OpRange range(held->opName(Engine::Op::kGather, static_cast<size_t>(key)));
+  keyedAllgather(*held, key, output, input, /*publish_only=*/false);
+  return async_op ? keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input) : WorkPtr();
+}
+
+WorkPtr OdcBackend::keyedReduceScatterCall(int key, at::Tensor& output, at::Tensor& input,
+                                           const c10d::ReduceOp& op,
+                                           const std::vector<uint32_t>& params, double scale,
+                                           bool async_op) {
+  const auto held = engine("keyed reduce-scatter");
+  OpRange range(held->opName(Engine::Op::kPush, static_cast<size_t>(key)));
+  keyedReduceScatter(*held, key, output, input, op, params, scale);
+  return async_op ? keyedWork(c10d::OpType::_REDUCE_SCATTER_BASE, output, input) : WorkPtr();
+}
+
+std::vector<size_t> OdcBackend::publishShards(const std::vector<int64_t>& keys,
+                                              const std::vector<std::vector<at::Tensor>>& sources) {
+  OpRange range("odc::publish_shards");
+  const auto held = engine("publish");
+  auto& eng = *held;
+  const auto& layout = eng.layout();
+  TORCH_CHECK(keys.size() == sources.size(), "odc: rank ", rank_, ": publish of ", keys.size(),
+              " keys with ", sources.size(), " source lists");
+  const int device = eng.transport().deviceIndex();
+  std::vector<size_t> index(layout.numKeys(), SIZE_MAX);  // key -> position in `keys`
+  std::vector<size_t> wanted;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    TORCH_CHECK(keys[i] >= 0 && static_cast<size_t>(keys[i]) < layout.numKeys(), "odc: rank ",
+                rank_, ": publish of unknown key #", keys[i]);
+    const auto k = static_cast<size_t>(keys[i]);
+    const auto& spec = layout.key(k);
+    size_t numel = 0;
+    for (const auto& t : sources[i]) {
+      const bool here =
+          device < 0 ? t.device().is_cpu() : (t.device().is_cuda() && t.device().index() == device);
+      TORCH_CHECK(here && t.is_contiguous() && t.is_floating_point(), "odc: rank ", rank_,
+                  ": the shard of key '", spec.name, "' must be contiguous floating-point ",
+                  "tensors on ", device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device),
+                  ", got ", t.scalar_type(), " on ", t.device());
+      numel += static_cast<size_t>(t.numel());
+    }
+    TORCH_CHECK(numel == spec.shard_numel, "odc: rank ", rank_, ": the shard of key '", spec.name,
+                "' (minibatch ", eng.epoch(), ") has ", numel,
+                " elements, but the key was attached with ", spec.shard_numel,
+                " (were parameters replaced or resized after torch_odc.attach()? re-attach)");
+    index[k] = i;
+    wanted.push_back(k);
+  }
+  Stream stream = nullptr;
+#ifdef ODC_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (device >= 0) {
+    guard.emplace(static_cast<c10::DeviceIndex>(device));
+    stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  }
+#endif
+  engineCall([&] { checkTransportErrors(eng); });
+  std::vector<size_t> done;
+  engineCall([&] {
+    done = eng.publishWith(
+        wanted,
+        [&](const std::vector<size_t>& todo, const std::vector<void*>& caches) {
+          // Every source tensor of every key to publish, and its place in the key's cache (a
+          // view of the region in the key's gather dtype): one multi-tensor copy, which also
+          // casts to the gather dtype exactly as FSDP2's own all-gather copy-in does.
+          std::vector<at::Tensor> dst, src;
+          for (size_t n = 0; n < todo.size(); ++n) {
+            const auto& spec = layout.key(todo[n]);
+            auto options = at::TensorOptions().dtype(scalarTypeOf(spec.gather_dtype));
+            if (device >= 0) options = options.device(c10::kCUDA, device);
+            auto* at_byte = static_cast<uint8_t*>(caches[n]);
+            for (const auto& t : sources[index[todo[n]]]) {
+              if (t.numel() == 0) continue;
+              dst.push_back(at::from_blob(at_byte, {t.numel()}, options));
+              src.push_back(t.view({t.numel()}));
+              at_byte += static_cast<size_t>(t.numel()) * elementSize(spec.gather_dtype);
+            }
+          }
+          if (!dst.empty()) at::_foreach_copy_(dst, src);
+        },
+        stream);
+  });
+  return done;
 }
 
 Stream OdcBackend::keyedStream(Engine& eng, const at::Tensor& a, const at::Tensor& b,

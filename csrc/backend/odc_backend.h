@@ -113,6 +113,25 @@ class OdcBackend : public c10d::Backend {
   // The connected engine; raises naming `op` if none. A caller keeps it alive for its call, so
   // an abort() or detach from another thread never frees an engine in use.
   std::shared_ptr<Engine> engine(const char* op);
+  // Keyed calls made directly by torch_odc's FSDP2 comm objects (no c10d dispatch, no
+  // thread-local key): the same operations as the keyed paths of _allgather_base /
+  // _reduce_scatter_base, on the caller's current stream. With async_op false they return null,
+  // as c10d's all_gather_into_tensor / reduce_scatter_tensor do after waiting (the op is ordered
+  // on the stream; FSDP2 orders its streams by events); with async_op true a Work whose wait()
+  // makes the current stream wait for it.
+  c10::intrusive_ptr<c10d::Work> keyedAllgatherCall(int key, at::Tensor& output, at::Tensor& input,
+                                                    bool async_op);
+  c10::intrusive_ptr<c10d::Work> keyedReduceScatterCall(int key, at::Tensor& output,
+                                                        at::Tensor& input, const c10d::ReduceOp& op,
+                                                        const std::vector<uint32_t>& params,
+                                                        double scale, bool async_op);
+  // Publishes every key of `keys` this rank has not published in this minibatch, by copying
+  // `sources[i]` (the all-gather input of keys[i], as tensors laid back to back: FSDP2's padded
+  // sharded parameters, cast to the key's gather dtype by the copy) into its shard cache, all
+  // keys in one multi-tensor copy on the current stream, then releasing their flags. Returns the
+  // keys it published.
+  std::vector<size_t> publishShards(const std::vector<int64_t>& keys,
+                                    const std::vector<std::vector<at::Tensor>>& sources);
   // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
   void barrierArrive();
   void barrierRelease(bool zero);
@@ -132,9 +151,12 @@ class OdcBackend : public c10d::Backend {
  private:
   // shutdown() and abort(): closes the inner backends the same way and releases them.
   void close(bool abort);
-  c10::intrusive_ptr<c10d::Work> keyedAllgather(int key, at::Tensor& output, at::Tensor& input);
-  c10::intrusive_ptr<c10d::Work> keyedReduceScatter(int key, at::Tensor& output, at::Tensor& input,
-                                                    const c10d::ReduceScatterOptions& opts);
+  // The keyed operations themselves (on the current stream; no Work).
+  void keyedAllgather(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
+                      bool publish_only);
+  void keyedReduceScatter(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
+                          const c10d::ReduceOp& op, const std::vector<uint32_t>& params,
+                          double extra_scale);
   // The stream keyed ops of these tensors run on (the caller's current CUDA stream, or none on
   // the CPU), after checking that they live where the engine's transport does.
   Stream keyedStream(Engine& eng, const at::Tensor& a, const at::Tensor& b, const char* op,

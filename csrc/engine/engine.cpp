@@ -42,6 +42,7 @@ void EngineStats::add(const EngineStats& o) {
   bytes_pushed += o.bytes_pushed;
   publish_wait_s += o.publish_wait_s;
   barrier_s += o.barrier_s;
+  barrier_wait_s += o.barrier_wait_s;
   minibatches += o.minibatches;
 }
 
@@ -86,6 +87,34 @@ void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<Key
   gather_stream_.assign(layout_.numKeys(), nullptr);
   pushed_bits_.assign(layout_.pushedBitWords(), 0);
   peer_bits_.assign(layout_.pushedBitWords(), 0);
+  op_names_.clear();
+  for (size_t k = 0; k < layout_.numKeys(); ++k) {
+    const auto& name = layout_.key(k).name;
+    op_names_.push_back({"odc::gather " + name, "odc::publish " + name, "odc::push " + name});
+  }
+  all_params_.assign(layout_.numKeys(), {});
+  all_runs_.assign(layout_.numKeys(), {});
+  all_chunk_.assign(layout_.numKeys(), 0);
+  for (size_t k = 0; k < layout_.numKeys(); ++k) {
+    const auto& spec = layout_.key(k);
+    const auto& off = layout_.offsets(k);
+    size_t chunk = 0;
+    for (uint32_t p = 0; p < spec.grad_numels.size(); ++p) {
+      const size_t numel = spec.grad_numels[p];
+      if (numel == 0) continue;
+      all_params_[k].push_back(p);
+      auto& runs = all_runs_[k];
+      if (!runs.empty() && runs.back().dst + runs.back().numel == off.param_accum[p]) {
+        runs.back().numel += numel;
+      } else {
+        runs.push_back({off.param_accum[p], chunk, numel});
+      }
+      chunk += numel;
+    }
+    all_chunk_[k] = chunk;
+  }
+  reads_.reserve(static_cast<size_t>(world_));
+  pushes_.assign(static_cast<size_t>(world_), {});
   collectives_ = 0;
   connected_ = true;
 }
@@ -144,6 +173,36 @@ void Engine::publish(size_t key, const void* in, size_t in_bytes, DType dtype, S
   publishLocked(key, in, in_bytes, dtype, stream);
 }
 
+std::vector<size_t> Engine::publishWith(const std::vector<size_t>& keys, const Fill& fill,
+                                        Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<size_t> todo;
+  for (const size_t key : keys) {
+    checkKey(key, "publish");
+    if (published_[key] != epoch_ && std::find(todo.begin(), todo.end(), key) == todo.end()) {
+      todo.push_back(key);
+    }
+  }
+  if (todo.empty()) return todo;
+  // Peers read a cache only after its flag reached this epoch, and every read of the last
+  // epoch completed before its reader arrived at the barrier: the caches are free to rewrite.
+  std::vector<void*> caches;
+  caches.reserve(todo.size());
+  for (const size_t key : todo) {
+    caches.push_back(transport_->localPointer(layout_.offsets(key).cache));
+  }
+  fill(todo, caches);
+  // Flags lie kAlign apart in key order: one release over the range from the first to the last
+  // key published here. A key in between was published earlier in this epoch (its flag
+  // already holds this epoch: storing it again changes nothing) or is in `todo`.
+  const auto [lo, hi] = std::minmax_element(todo.begin(), todo.end());
+  transport_->publishFlags(layout_.offsets(*lo).published_flag, *hi - *lo + 1, RegionLayout::kAlign,
+                           epoch_, stream);
+  for (const size_t key : todo) published_[key] = epoch_;
+  current_.publishes += todo.size();
+  return todo;
+}
+
 void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size_t out_bytes,
                     DType dtype, Stream stream) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -164,22 +223,28 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
   }
   // Peers in rotated order, so that no owner is read by every rank at once.
   const bool ready_known = gather_waited_[key] == epoch_ && gather_stream_[key] == stream;
-  std::vector<Transport::PeerRead> reads;
-  reads.reserve(static_cast<size_t>(world_ - 1));
+  reads_.clear();
+  const auto deadline = Clock::now() + timeout_;
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
-    reads.push_back({peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
-                     context([this, peer, key] {
-                       return "peer rank " + std::to_string(peer) + " to publish " + where(key) +
-                              ". The peer has not run this module's all-gather in this "
-                              "minibatch: is it stuck, or did it skip "
-                              "torch_odc.minibatch_barrier()?";
-                     }),
-                     ready_known});
+    // (peer, key) packed into one word: the closure fits std::function's inline buffer, so no
+    // allocation per call; the text is built only when a wait fails.
+    const uint64_t what = (static_cast<uint64_t>(key) << 16) | static_cast<uint64_t>(peer);
+    reads_.push_back({peer, out_bytes_ptr + static_cast<size_t>(peer) * in_bytes,
+                      WaitContext{deadline,
+                                  [this, what] {
+                                    const int p = static_cast<int>(what & 0xffff);
+                                    return "peer rank " + std::to_string(p) + " to publish " +
+                                           where(static_cast<size_t>(what >> 16)) +
+                                           ". The peer has not run this module's all-gather in "
+                                           "this minibatch: is it stuck, or did it skip "
+                                           "torch_odc.minibatch_barrier()?";
+                                  }},
+                      ready_known});
     current_.bytes_fetched += in_bytes;
   }
   current_.publish_wait_s +=
-      transport_->gatherPeers(off.cache, off.published_flag, epoch_, in_bytes, reads, stream);
+      transport_->gatherPeers(off.cache, off.published_flag, epoch_, in_bytes, reads_, stream);
   transport_->endOp(stream);
   gather_waited_[key] = epoch_;
   gather_stream_[key] = stream;
@@ -200,59 +265,57 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
          " accumulator");
   }
   const size_t n = spec.grad_numels.size();
-  std::vector<uint32_t> all;
-  if (params.empty()) {
-    for (uint32_t p = 0; p < n; ++p) {
-      if (spec.grad_numels[p] > 0) all.push_back(p);
-    }
-  }
-  const auto& order = params.empty() ? all : params;
   // Spans in the input chunk (src) and the accumulator (dst), merged where both are contiguous.
-  struct Run {
-    size_t dst, src, numel;
-  };
-  std::vector<Run> runs;
-  std::vector<bool> seen(n, false);
-  size_t chunk = 0;
-  for (const uint32_t p : order) {
-    if (p >= n || seen[p]) {
-      fail("parameter #" + std::to_string(p) + " is out of range or listed twice");
+  // A push of every trainable parameter in key order (the common case) uses the runs made at
+  // connect; any other list is checked and merged here.
+  const std::vector<uint32_t>* order = &all_params_[key];
+  const std::vector<Run>* runs = &all_runs_[key];
+  size_t chunk = all_chunk_[key];
+  if (!params.empty() && params != all_params_[key]) {
+    order = &params;
+    runs = &runs_;
+    runs_.clear();
+    seen_.assign(n, 0);
+    chunk = 0;
+    for (const uint32_t p : params) {
+      if (p >= n || seen_[p]) {
+        fail("parameter #" + std::to_string(p) + " is out of range or listed twice");
+      }
+      seen_[p] = 1;
+      const size_t numel = spec.grad_numels[p];
+      if (numel == 0) {
+        fail("parameter #" + std::to_string(p) +
+             " was frozen (requires_grad=False) when the model was attached, so it has no "
+             "accumulator; re-attach after changing requires_grad");
+      }
+      const size_t dst = off.param_accum[p];
+      if (!runs_.empty() && runs_.back().dst + runs_.back().numel == dst) {
+        runs_.back().numel += numel;
+      } else {
+        runs_.push_back({dst, chunk, numel});
+      }
+      chunk += numel;
     }
-    seen[p] = true;
-    const size_t numel = spec.grad_numels[p];
-    if (numel == 0) {
-      fail("parameter #" + std::to_string(p) +
-           " was frozen (requires_grad=False) when the model was attached, so it has no "
-           "accumulator; re-attach after changing requires_grad");
-    }
-    const size_t dst = off.param_accum[p];
-    if (!runs.empty() && runs.back().dst + runs.back().numel == dst) {
-      runs.back().numel += numel;
-    } else {
-      runs.push_back({dst, chunk, numel});
-    }
-    chunk += numel;
   }
   if (in_numel != chunk * static_cast<size_t>(world_)) {
-    fail("got " + std::to_string(in_numel) + " elements, but its " + std::to_string(order.size()) +
+    fail("got " + std::to_string(in_numel) + " elements, but its " + std::to_string(order->size()) +
          " parameters need world size " + std::to_string(world_) + " x " + std::to_string(chunk));
   }
   ++current_.keyed_reduce_scatters;
   waitOwnersReady(key, stream);
   const size_t esize = elementSize(dtype);
-  std::vector<Transport::PeerPush> pushes(static_cast<size_t>(world_));
-  for (const Run& run : runs) {
+  for (const Run& run : *runs) {
     for (int i = 0; i < world_; ++i) {  // rotated, the own chunk first
       const int owner = (rank_ + i) % world_;
-      pushes[static_cast<size_t>(i)] = {
+      pushes_[static_cast<size_t>(i)] = {
           owner,
           static_cast<const uint8_t*>(in) + (static_cast<size_t>(owner) * chunk + run.src) * esize};
     }
     transport_->pushPeers(off.accum, run.dst, off.first_lock, epoch_, run.numel, dtype, scale,
-                          pushes, stream);
+                          pushes_, stream);
   }
   current_.bytes_pushed += chunk * esize * static_cast<size_t>(world_ - 1);
-  for (const uint32_t p : order) {
+  for (const uint32_t p : *order) {
     const size_t bit = off.first_param + p;
     pushed_bits_[bit / 64] |= uint64_t{1} << (bit % 64);
   }
@@ -263,20 +326,28 @@ void Engine::waitOwnersReady(size_t key, Stream stream) {
   if (epoch_ == 1 || (ready_waited_ == epoch_ && ready_stream_ == stream)) return;
   // The own accumulators were zeroed on the stream the release ran on, which FSDP2's
   // reduce-scatter stream waits for before any reduce-scatter: only peers are waited for.
-  std::vector<Transport::PeerRead> waits;
+  reads_.clear();
+  const auto deadline = Clock::now() + timeout_;
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
-    waits.push_back({peer, nullptr, context([this, peer, key] {
-                       return "peer rank " + std::to_string(peer) +
-                              " to release its gradients of minibatch " +
-                              std::to_string(epoch_ - 1) + " before the first push of " +
-                              where(key) +
-                              ". The peer releases them when it enters the next minibatch "
-                              "(its first forward, or torch_odc.minibatch_barrier()), after "
-                              "its optimizer step: is it stuck, or did it stop training?";
-                     })});
+    const uint64_t what = (static_cast<uint64_t>(key) << 16) | static_cast<uint64_t>(peer);
+    reads_.push_back({peer, nullptr, WaitContext{deadline, [this, what] {
+                                                   const size_t k = what >> 16;
+                                                   return "peer rank " +
+                                                          std::to_string(what & 0xffff) +
+                                                          " to release its gradients of "
+                                                          "minibatch " +
+                                                          std::to_string(epoch_ - 1) +
+                                                          " before the first push of " + where(k) +
+                                                          ". The peer releases them when it "
+                                                          "enters the next minibatch (its first "
+                                                          "forward, or "
+                                                          "torch_odc.minibatch_barrier()), after "
+                                                          "its optimizer step: is it stuck, or "
+                                                          "did it stop training?";
+                                                 }}});
   }
-  transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, waits, stream);
+  transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, reads_, stream);
   transport_->endOp(stream);
   ready_waited_ = epoch_;
   ready_stream_ = stream;
@@ -340,7 +411,7 @@ void Engine::waitAll(size_t control_offset, const char* phase, bool check_collec
   }
 }
 
-void Engine::arrive(Stream stream) {
+void Engine::arrive(Stream stream, const std::function<void(Phase, bool)>& trace) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!connected_) throw OdcError("odc: rank " + std::to_string(rank_) + ": barrier before attach");
   if (arrived_) {
@@ -356,7 +427,11 @@ void Engine::arrive(Stream stream) {
                      "does)");
     }
   }
+  if (trace) trace(Phase::kArriveWaitDevice, true);
+  const auto t_device = Clock::now();
   transport_->quiesce(stream);  // every push of this rank has landed
+  double waited = secondsSince(t_device);
+  if (trace) trace(Phase::kArriveWaitDevice, false);
   const uint64_t arrived_with = collectives_.load();
   transport_->storeControl(layout_.controlArrivalCollectives(epoch_), arrived_with);
   for (size_t w = 0; w < pushed_bits_.size(); ++w) {
@@ -365,7 +440,11 @@ void Engine::arrive(Stream stream) {
   }
   transport_->storeControl(layout_.controlArrived(), epoch_);
   arrived_ = true;
+  if (trace) trace(Phase::kArriveWaitPeers, true);
+  const auto t_peers = Clock::now();
   waitAll(layout_.controlArrived(), "arrive at", /*check_collectives=*/true);
+  waited += secondsSince(t_peers);
+  if (trace) trace(Phase::kArriveWaitPeers, false);
   // Every rank has arrived: the counts they arrived with are what they ran in this minibatch
   // (a peer may already run collectives of the next one: its live count is not compared).
   for (int peer = 0; peer < world_; ++peer) {
@@ -384,6 +463,7 @@ void Engine::arrive(Stream stream) {
   }
   // The minibatch's work is over: its counters become "last".
   current_.barrier_s += secondsSince(t0);
+  current_.barrier_wait_s += waited;
   current_.minibatches = 1;
   last_ = current_;
   total_.add(current_);

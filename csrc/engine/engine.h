@@ -31,8 +31,10 @@
 // never does makes its peers time out with an error naming it.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,6 +53,8 @@ struct EngineStats {
   uint64_t bytes_pushed = 0;
   double publish_wait_s = 0;  // time spent waiting for peers' publishes
   double barrier_s = 0;       // time inside the minibatch barrier
+  // Host time the barrier only waited: for this rank's device work, then for the peers.
+  double barrier_wait_s = 0;
   uint64_t minibatches = 0;
 
   void add(const EngineStats& o);
@@ -72,12 +76,26 @@ class Engine {
   const RegionLayout& layout() const { return layout_; }
   Transport& transport() { return *transport_; }
   size_t keyIndex(const std::string& name) const;
+  // The name of a keyed operation on `key` ("odc::gather <key name>", ...), made once at
+  // connect: profiler and NVTX ranges name every call without building a string per call.
+  enum class Op { kGather = 0, kPublish = 1, kPush = 2 };
+  const std::string& opName(Op op, size_t key) const {
+    return op_names_.at(key)[static_cast<size_t>(op)];
+  }
 
   // Keyed all-gather: `in` is this rank's shard (in_bytes), `out` receives world shards.
   void gather(size_t key, void* out, const void* in, size_t in_bytes, size_t out_bytes, DType dtype,
               Stream stream);
   // Publishes `in` for `key` if not yet published in this epoch; reads nothing.
   void publish(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
+  // Publishes, in one operation, every key of `keys` not yet published in this epoch: `fill` is
+  // called once with those keys and their caches (host pointers on the CPU, device pointers for
+  // CUDA) and must write each one's shard (shardBytes() of its gather dtype) there, on `stream`;
+  // then every flag is released after the fill, on `stream`. Reads nothing, waits for nobody.
+  // `fill` runs under the engine's lock: it must not call the engine. Returns the keys published.
+  using Fill =
+      std::function<void(const std::vector<size_t>& keys, const std::vector<void*>& caches)>;
+  std::vector<size_t> publishWith(const std::vector<size_t>& keys, const Fill& fill, Stream stream);
   // Keyed reduce-scatter: `in` holds world chunks, each the concatenation of the (padded) shards
   // of `params` (indices into the key's parameters, in the input's order; empty: every trainable
   // parameter in key order). Adds scale * each parameter's shard in chunk j into its span of rank
@@ -89,7 +107,10 @@ class Engine {
 
   bool publishedThisEpoch(size_t key) const;
   // Barrier phase 1 (see above). After it, gradParams/accumulator describe final sums.
-  void arrive(Stream stream);
+  // `trace`, if given, is called around the two waits inside (phase kArriveWaitDevice: this
+  // rank's own device work; kArriveWaitPeers: every peer's arrival), begin true then false.
+  enum class Phase { kArriveWaitDevice, kArriveWaitPeers };
+  void arrive(Stream stream, const std::function<void(Phase, bool)>& trace = {});
   // Per parameter of `key`: whether some rank pushed a gradient for it in this minibatch.
   std::vector<bool> gradParams(size_t key);
   void* accumulator(size_t key);
@@ -120,15 +141,29 @@ class Engine {
   bool connected_ = false;
   bool arrived_ = false;
   uint64_t epoch_ = 1;
+  std::vector<std::array<std::string, 3>> op_names_;  // per key, by Op
   std::vector<uint64_t> published_;  // epoch in which this rank last published each key
   // Per key: the epoch and stream of the last gather that waited for every peer's publish. A
   // later gather of the key in that epoch on that stream needs no wait (Transport::PeerRead).
   std::vector<uint64_t> gather_waited_;
   std::vector<Stream> gather_stream_;
   std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
-  uint64_t ready_waited_ = 0;          // the epoch whose pushes waited for the owners' release
-  Stream ready_stream_ = nullptr;      // ... on this stream
-  std::vector<uint64_t> peer_bits_;    // union over all ranks, valid between arrive and release
+  // Per key: its trainable parameters in key order, and their spans merged into runs (what a
+  // push of every trainable parameter, the common case, uses without building them per call).
+  struct Run {
+    size_t dst, src, numel;  // accumulator element offset, input chunk offset, elements
+  };
+  std::vector<std::vector<uint32_t>> all_params_;
+  std::vector<std::vector<Run>> all_runs_;
+  std::vector<size_t> all_chunk_;  // elements of one rank's chunk of such a push
+  // Scratch reused by every call (no allocation per keyed call once warm).
+  std::vector<Transport::PeerRead> reads_;
+  std::vector<Transport::PeerPush> pushes_;
+  std::vector<Run> runs_;
+  std::vector<uint8_t> seen_;
+  uint64_t ready_waited_ = 0;        // the epoch whose pushes waited for the owners' release
+  Stream ready_stream_ = nullptr;    // ... on this stream
+  std::vector<uint64_t> peer_bits_;  // union over all ranks, valid between arrive and release
   std::atomic<uint64_t> collectives_{0};
   mutable std::mutex op_mu_;
   std::string last_collective_;  // guarded by op_mu_

@@ -40,6 +40,12 @@ class Transport {
   virtual void writeLocal(size_t offset, const void* src, size_t bytes, Stream stream) = 0;
   // Makes the preceding writes visible, then stores `value` into the own flag at `offset`.
   virtual void publish(size_t flag_offset, uint64_t value, Stream stream) = 0;
+  // publish() of `count` flags `stride` bytes apart from `first_offset`, after the preceding
+  // writes (one operation: the CUDA transport launches one kernel for all of them).
+  virtual void publishFlags(size_t first_offset, size_t count, size_t stride, uint64_t value,
+                            Stream stream) {
+    for (size_t i = 0; i < count; ++i) publish(first_offset + i * stride, value, stream);
+  }
   // Waits until the peer's flag at `offset` is >= value, ordering later reads after it.
   virtual void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                         Stream stream) = 0;

@@ -71,6 +71,58 @@ TEST(Engine, GatherReadsEveryPeersPublishedShardAcrossEpochs) {
   }
 }
 
+TEST(Engine, PublishWithFillsOnlyUnpublishedCachesThenPeersReadThem) {
+  for (int world : {2, 3}) {
+    expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
+      std::vector<KeySpec> keys = twoKeys();
+      keys.push_back({"layers.2", 5, DType::kFloat32, {5}, DType::kFloat32});
+      auto e = makeEngine(rank, world, rdv, keys);
+      for (uint64_t epoch = 1; epoch <= 2; ++epoch) {
+        // Key 1 is published by its own gather first (lazy), then every key in one operation:
+        // the fill must see keys 0 and 2 only, and their flags, with key 1's in between, end
+        // at this epoch.
+        const size_t n1 = e->layout().key(1).shard_numel;
+        std::vector<float> in1(n1), out1(n1 * world);
+        for (size_t i = 0; i < n1; ++i) in1[i] = shardValue(rank, 1, epoch, i);
+        e->gather(1, out1.data(), in1.data(), n1 * 4, out1.size() * 4, DType::kFloat32, nullptr);
+        std::vector<size_t> filled;
+        const auto done = e->publishWith(
+            {0, 1, 2, 0},
+            [&](const std::vector<size_t>& todo, const std::vector<void*>& caches) {
+              REQUIRE(todo.size() == caches.size());
+              for (size_t n = 0; n < todo.size(); ++n) {
+                filled.push_back(todo[n]);
+                auto* dst = static_cast<float*>(caches[n]);
+                for (size_t i = 0; i < e->layout().key(todo[n]).shard_numel; ++i) {
+                  dst[i] = shardValue(rank, todo[n], epoch, i);
+                }
+              }
+            },
+            nullptr);
+        REQUIRE((filled == std::vector<size_t>{0, 2}));
+        REQUIRE((done == std::vector<size_t>{0, 2}));
+        REQUIRE(e->publishWith(
+                     {0, 1, 2},
+                     [](const auto&, const auto&) { throw std::runtime_error("filled twice"); },
+                     nullptr)
+                    .empty());
+        for (size_t k : {0, 2}) {
+          const size_t n = e->layout().key(k).shard_numel;
+          std::vector<float> out(n * world, -1.0f), in(n);
+          for (size_t i = 0; i < n; ++i) in[i] = shardValue(rank, k, epoch, i);
+          e->gather(k, out.data(), in.data(), n * 4, out.size() * 4, DType::kFloat32, nullptr);
+          for (int r = 0; r < world; ++r) {
+            for (size_t i = 0; i < n; ++i) REQUIRE(out[r * n + i] == shardValue(r, k, epoch, i));
+          }
+        }
+        e->arrive(nullptr);
+        e->release(nullptr);
+      }
+      REQUIRE(e->totalStats().publishes == 6);
+    }));
+  }
+}
+
 TEST(Engine, ConcurrentPushesAccumulateExactlyWithUnevenMicrobatchCounts) {
   const int world = 4;
   expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {

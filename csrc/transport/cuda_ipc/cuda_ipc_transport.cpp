@@ -291,8 +291,7 @@ void CudaIpcTransport::track(Stream stream) {
 }
 
 void CudaIpcTransport::watch(cudaStream_t stream, Clock::time_point deadline,
-                             std::vector<int> peers,
-                             std::vector<std::function<std::string()>> describe) {
+                             const std::function<void(PendingWait&)>& fill) {
   cudaEvent_t ev = nullptr;
   {
     std::lock_guard<std::mutex> lock(wd_mu_);
@@ -303,11 +302,18 @@ void CudaIpcTransport::watch(cudaStream_t stream, Clock::time_point deadline,
   }
   if (!ev) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), rank_, "event create");
   check(cudaEventRecord(ev, stream), rank_, "wait event");
+  bool was_empty;
   {
     std::lock_guard<std::mutex> lock(wd_mu_);
-    pending_.push_back(PendingWait{ev, deadline, std::move(peers), std::move(describe)});
+    was_empty = pending_.empty();
+    pending_.emplace_back();
+    auto& w = pending_.back();
+    w.done = ev;
+    w.deadline = deadline;
+    fill(w);
   }
-  wd_cv_.notify_all();
+  // The watchdog sleeps on the condition only while nothing is pending; otherwise it polls.
+  if (was_empty) wd_cv_.notify_all();
 }
 
 void CudaIpcTransport::fail(const std::string& message, bool timeout) {
@@ -316,6 +322,7 @@ void CudaIpcTransport::fail(const std::string& message, bool timeout) {
   if (host_error_.empty()) {
     host_error_ = message;
     host_error_is_timeout_ = timeout;
+    has_host_error_.store(true, std::memory_order_release);
   }
 }
 
@@ -343,12 +350,12 @@ void CudaIpcTransport::watchdogLoop() {
       }
       if (q != cudaErrorNotReady) {
         cudaGetLastError();
-        error = me + ": CUDA error while waiting on the GPU for " + it->describe.front()() + ": " +
+        error = me + ": CUDA error while waiting on the GPU for " + it->describe[0]() + ": " +
                 cudaGetErrorString(q);
         break;
       }
       if (error.empty()) {
-        for (size_t i = 0; i < it->peers.size(); ++i) {
+        for (int i = 0; i < it->count; ++i) {
           if (!control_.peerAlive(it->peers[i])) {
             error = me + ": the peer process exited (or detached) while this rank waited on " +
                     "the GPU for " + it->describe[i]();
@@ -358,7 +365,7 @@ void CudaIpcTransport::watchdogLoop() {
       }
       if (error.empty() && Clock::now() >= it->deadline + grace) {
         error = me + " timed out (after " + std::to_string(timeout_.count() / 1000.0) +
-                " s, host watchdog) waiting on the GPU for " + it->describe.front()();
+                " s, host watchdog) waiting on the GPU for " + it->describe[0]();
         is_timeout = true;
       }
       if (!error.empty()) break;
@@ -443,7 +450,7 @@ void CudaIpcTransport::endOp(Stream stream) {
 }
 
 void CudaIpcTransport::checkDeviceErrors() {
-  {
+  if (has_host_error_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(wd_mu_);
     if (!host_error_.empty()) {
       if (host_error_is_timeout_) throw OdcTimeout(host_error_);
@@ -475,6 +482,12 @@ void CudaIpcTransport::publish(size_t flag_offset, uint64_t value, Stream stream
                           asStream(stream));
 }
 
+void CudaIpcTransport::publishFlags(size_t first_offset, size_t count, size_t stride,
+                                    uint64_t value, Stream stream) {
+  track(stream);
+  cuda_ipc::launchPublishFlags(at(rank_, first_offset), count, stride, value, asStream(stream));
+}
+
 void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
                                 const WaitContext& ctx, Stream stream) {
   checkDeviceErrors();
@@ -487,7 +500,11 @@ void CudaIpcTransport::waitFlag(int peer, size_t flag_offset, uint64_t value,
   const cudaStream_t side = peerStream(peer, asStream(stream));
   cuda_ipc::launchWait(reinterpret_cast<const uint64_t*>(at(peer, flag_offset)), value,
                        deviceDeadline(ctx.deadline), error_device_, stop_, slot, side);
-  watch(side, ctx.deadline, {peer}, {ctx.describe});
+  watch(side, ctx.deadline, [&](PendingWait& w) {
+    w.count = 1;
+    w.peers[0] = peer;
+    w.describe[0] = ctx.describe;
+  });
 }
 
 void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) {
@@ -543,16 +560,16 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   }
   // One deadline for the operation: the earliest of its waits' (all set when it was enqueued).
   Clock::time_point deadline = reads.front().ctx.deadline;
-  std::vector<int> peers;
-  std::vector<std::function<std::string()>> describe;
-  for (const auto& r : reads) {
-    deadline = std::min(deadline, r.ctx.deadline);
-    peers.push_back(r.peer);
-    describe.push_back(r.ctx.describe);
-  }
+  for (const auto& r : reads) deadline = std::min(deadline, r.ctx.deadline);
   cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, stop_, ctas_,
                          /*wait=*/true, asStream(stream));
-  watch(asStream(stream), deadline, std::move(peers), std::move(describe));
+  watch(asStream(stream), deadline, [&](PendingWait& w) {
+    for (const auto& r : reads) {
+      w.peers[w.count] = r.peer;
+      w.describe[w.count] = r.ctx.describe;
+      ++w.count;
+    }
+  });
   return 0;
 }
 

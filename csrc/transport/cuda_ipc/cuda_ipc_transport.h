@@ -69,6 +69,8 @@ class CudaIpcTransport : public Transport {
 
   void writeLocal(size_t offset, const void* src, size_t bytes, Stream stream) override;
   void publish(size_t flag_offset, uint64_t value, Stream stream) override;
+  void publishFlags(size_t first_offset, size_t count, size_t stride, uint64_t value,
+                    Stream stream) override;
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
@@ -103,15 +105,19 @@ class CudaIpcTransport : public Transport {
 
  private:
   // One enqueued device wait the watchdog follows until its event completes.
+  // Fixed arrays, kept in a reused vector: no allocation per enqueued wait.
   struct PendingWait {
-    cudaEvent_t done;
+    cudaEvent_t done = nullptr;
     Clock::time_point deadline;
-    std::vector<int> peers;
-    std::vector<std::function<std::string()>> describe;  // per peer
+    int count = 0;
+    int peers[cuda_ipc::kMaxPeers];
+    std::function<std::string()> describe[cuda_ipc::kMaxPeers];  // per peer
   };
   void track(Stream stream);
-  void watch(cudaStream_t stream, Clock::time_point deadline, std::vector<int> peers,
-             std::vector<std::function<std::string()>> describe);
+  // Follows the waits just enqueued on `stream` (recorded event) for the watchdog; `fill` sets
+  // the entry's count, peers and descriptions.
+  void watch(cudaStream_t stream, Clock::time_point deadline,
+             const std::function<void(PendingWait&)>& fill);
   void watchdogLoop();
   void fail(const std::string& message, bool timeout);
   uint64_t deviceDeadline(Clock::time_point deadline) const;
@@ -159,10 +165,12 @@ class CudaIpcTransport : public Transport {
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;
   bool wd_stop_ = false;
-  std::deque<PendingWait> pending_;
+  std::vector<PendingWait> pending_;
   std::vector<cudaEvent_t> free_events_;
   std::string host_error_;  // first error the watchdog recorded
   bool host_error_is_timeout_ = false;
+  // Set (release) once host_error_ holds an error: the per-call check reads only this word.
+  std::atomic<bool> has_host_error_{false};
   std::vector<cudaStream_t> side_;   // per peer
   std::vector<cudaEvent_t> joined_;  // per peer: end of its part of the current op
   std::vector<bool> side_used_;

@@ -41,6 +41,15 @@ __global__ void publishKernel(uint64_t* flag, uint64_t value) {
   storeReleaseSys(flag, value);
 }
 
+__global__ void publishFlagsKernel(uint8_t* first, size_t count, size_t stride, uint64_t value) {
+  // As publishKernel, one flag per thread (the shard-cache fills before it on the stream have
+  // completed): each thread's fence orders them before its own release store.
+  for (size_t i = threadIdx.x; i < count; i += blockDim.x) {
+    __threadfence_system();
+    storeReleaseSys(reinterpret_cast<uint64_t*>(first + i * stride), value);
+  }
+}
+
 // The 16-byte vector paths need both buffers 16-byte aligned (FSDP2 chunks need not be).
 __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
   return (reinterpret_cast<uintptr_t>(a) % 16 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
@@ -334,6 +343,14 @@ int blocksPerEntry(int ctas, int entries, size_t work_vecs, int threads) {
 
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream) {
   publishKernel<<<1, 1, 0, stream>>>(flag, value);
+  check(cudaGetLastError(), "publish kernel launch");
+}
+
+void launchPublishFlags(uint8_t* first, size_t count, size_t stride, uint64_t value,
+                        cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned threads = static_cast<unsigned>(std::min<size_t>(count, 256));
+  publishFlagsKernel<<<1, threads, 0, stream>>>(first, count, stride, value);
   check(cudaGetLastError(), "publish kernel launch");
 }
 

@@ -27,6 +27,9 @@ void launchReadClock(DeviceError* error, cudaStream_t stream);
 cudaError_t kernelImageProblem(int device);
 
 void launchPublish(uint64_t* flag, uint64_t value, cudaStream_t stream);
+// launchPublish of `count` flags `stride` bytes apart from `first`, in one one-block launch.
+void launchPublishFlags(uint8_t* first, size_t count, size_t stride, uint64_t value,
+                        cudaStream_t stream);
 // Deadlines are absolute, in the device's %globaltimer nanoseconds: one per operation, computed
 // on the host when it is enqueued, so queued waits never extend it. A wait also returns at once
 // when any wait of this rank has failed or the host set `abort`.

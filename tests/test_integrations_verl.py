@@ -34,7 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 VENV = os.path.join(ROOT, ".venv", f"verl-{LINE}")
 PYTHON = os.environ.get("ODC_VERL_PYTHON", os.path.join(VENV, "bin", "python"))
-UNSUPPORTED = VENV + ".unsupported"  # .ci/bootstrap writes why verl cannot run on this line
 
 # Logged values that are the same however each rank cuts its rows into microbatches (verl
 # normalizes them by the whole mini-batch); the MEAN ones (pg_clipfrac, ppo_kl, vf_clipfrac,
@@ -44,9 +43,6 @@ INVARIANT = ("loss", "grad_norm", "lr", "actor/pg_loss", "actor/entropy_loss", "
 
 
 def _verl_python() -> str:
-    if os.path.exists(UNSUPPORTED):
-        with open(UNSUPPORTED) as f:
-            pytest.skip(f"verl on torch {LINE}: {f.read().strip()}")
     if not os.path.exists(PYTHON):
         reason = (f"{PYTHON} is missing: `bash .ci/bootstrap test` builds verl's environment "
                   f"(.venv/verl-{LINE}; it needs PyPI)")

@@ -38,10 +38,10 @@ if not torch.cuda.is_available():  # before verl picks its platform
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-import torch_odc  # noqa: E402, F401  (registers "odc")
-import torch_odc.integrations.verl  # noqa: E402, F401  (registers the "odc" engines)
+import torch_odc
+import torch_odc.integrations.verl  # noqa: F401  (registers the "odc" engines)
 
 SIZES = {  # Qwen2Config arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -146,11 +146,11 @@ def make_worker(args, strategy: str, path: str):
     from torch_odc.integrations.verl import ODCEngineConfig
 
     dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
-    engine = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
-                  mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32",
-                                   "buffer_dtype": "fp32"},
-                  use_dynamic_bsz=True, max_token_len_per_gpu=args.max_tokens,
-                  infer_max_token_len_per_gpu=args.max_tokens)
+    engine = {"strategy": strategy, "model_dtype": "fp32", "use_torch_compile": False,
+              "mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32",
+                                  "buffer_dtype": "fp32"},
+              "use_dynamic_bsz": True, "max_token_len_per_gpu": args.max_tokens,
+              "infer_max_token_len_per_gpu": args.max_tokens}
     engine = (ODCEngineConfig(**engine, odc_balance=args.balance) if strategy == "odc"
               else FSDPEngineConfig(**engine))
     config = TrainingWorkerConfig(
@@ -187,7 +187,6 @@ def local_count(data) -> int:
 
 def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     from verl.utils import tensordict_utils as tu
-    from verl.utils.metric import Metric
 
     worker = make_worker(args, strategy, path)
     worker.set_loss_fn(actor_loss())
@@ -215,9 +214,7 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         steps.append({"step": step, "seconds": seconds, "needed": counts, "ran": ran,
                       "loss": float(metrics["loss"][0]),
                       "grad_norm": float(metrics["grad_norm"][0]),
-                      "pg_loss": float(metrics["actor/pg_loss"][0])
-                      if not isinstance(metrics["actor/pg_loss"][0], Metric)
-                      else float(metrics["actor/pg_loss"][0].aggregate())})
+                      "pg_loss": float(metrics["actor/pg_loss"][0])})
         if rank == 0:
             s = steps[-1]
             print(f"[{strategy:5}] step {step}: {seconds:7.3f} s  microbatches per rank "

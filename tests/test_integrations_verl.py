@@ -80,6 +80,9 @@ def _compare(found, name: str, reference: str, all_metrics_calls=()) -> list[lis
         worst = max(abs(x - y) for key in ref["params"]
                     for x, y in zip(ref["params"][key], odc["params"][key]))
         assert worst < 1e-6, f"{name}: parameters differ from verl's by {worst}"
+        for call, (a, b) in enumerate(zip(ref.get("forward", []), odc.get("forward", []))):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, \
+                f"{name}: forward-only pass {call} (old log-probs / values) differs from verl's"
         assert len(ref["metrics"]) == len(odc["metrics"])
         for call, (logged_ref, logged_odc) in enumerate(zip(ref["metrics"], odc["metrics"])):
             assert set(logged_ref) == set(logged_odc), (name, call)

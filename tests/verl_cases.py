@@ -240,23 +240,36 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
     """verl's update of one rollout batch: train_mini_batch over the rank's dispatched rows
     (verl's dispatch gives each rank an equal chunk), 2 mini-batches -> 2 optimizer steps."""
     from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
 
     if critic:
         model_path = model_path + "-critic"
     worker = make_worker(strategy, critic, model_path, lr=0.5, **odc)
     worker.set_loss_fn(critic_loss() if critic else actor_loss())
-    logged = []
+    logged, forward = [], []
     for call, responses in enumerate(dispatched):
         whole = make_batch([r for part in responses for r in part], seed + call, critic)
         per_rank = len(responses[0])
         start = sum(len(p) for p in responses[:rank])
-        data = rows(whole, list(range(start, start + len(responses[rank]))))
+        mine = list(range(start, start + len(responses[rank])))
+        # As verl's trainer before the update: old log-probs (values) from a forward-only pass
+        # of the same engine; under ODC with each rank's own microbatch count, and then the
+        # update starts with zero_grad() after that forward.
+        probe = rows(whole, mine)
+        tu.assign_non_tensor(probe, compute_loss=False, calculate_entropy=True)
+        inferred = tu.get(worker.infer_batch(probe), "values" if critic else "log_probs")
+        # What verl's trainer keeps of it (no_padding_2_padding: the response positions; the
+        # last position of a sequence predicts whatever follows it in its microbatch).
+        padded = no_padding_2_padding(inferred, rows(whole, mine))
+        forward.append(padded[rows(whole, mine)["response_mask"].bool()].tolist())
+        data = rows(whole, mine)
         tu.assign_non_tensor(data, global_batch_size=world * per_rank // 2,
                              mini_batch_size=world * per_rank // 2, epochs=1, seed=7,
                              dataloader_kwargs={"shuffle": False}, calculate_entropy=True)
         logged.append(metrics_of(worker.train_mini_batch(data)))
     steps = list(getattr(worker.engine, "odc_steps", []))
-    result = {"metrics": logged, "params": parameters(worker), "steps": steps}
+    result = {"metrics": logged, "params": parameters(worker), "steps": steps,
+              "forward": forward}
     finish(worker)
     return result
 

@@ -127,6 +127,13 @@ def test_rank_with_a_single_short_sequence(runs):
     assert [s["sequences"] for s in runs["ranks"][1]["single_odc"]["steps"]] == [1, 1]
 
 
+def test_reference_model_is_not_refused(runs):
+    # verl's ref.strategy follows actor.strategy: a forward-only "odc" engine is built inactive
+    # and runs as verl's FSDP2 engine (verl offloads it with pinned memory: GPUs only).
+    for rank in runs["ranks"]:
+        assert rank["reference"] == {"class": "ODCFSDPEngineWithLMHead", "active": False}
+
+
 def test_unsupported_settings_are_refused(runs):
     rank = runs["ranks"][0]
     assert "ulysses_sequence_parallel_size" in rank["refused_sp"], rank["refused_sp"]

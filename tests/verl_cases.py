@@ -295,6 +295,28 @@ def train_batch_run(rank, world, strategy, model_path, responses, split, seed, o
     return result
 
 
+def reference_engine(model_path: str) -> dict:
+    """A forward-only engine (verl's reference model; ref.strategy follows actor.strategy) with
+    strategy "odc": built, not refused, and inactive (it runs as verl's FSDP2 engine). verl
+    builds it with CPUOffloadPolicy(pin_memory=True), which needs CUDA: not initialized here."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    from torch_odc.integrations.verl import ODCEngineConfig
+
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=model_path, load_tokenizer=False,
+                                   override_config={"attn_implementation": "eager"}),
+        engine_config=ODCEngineConfig(strategy="odc", forward_only=True, use_dynamic_bsz=True,
+                                      max_token_len_per_gpu=MAX_TOKENS,
+                                      infer_max_token_len_per_gpu=MAX_TOKENS),
+        optimizer_config=None, checkpoint_config=CheckpointConfig())
+    engine = TrainingWorker(config).engine
+    return {"class": type(engine).__name__, "active": engine.odc_active}
+
+
 def refused(model_path: str, **engine) -> str:
     try:
         worker = make_worker("odc", False, model_path, lr=0.1, engine=engine)
@@ -343,6 +365,7 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
           [[0, 1, 2], [3, 4, 5]], 30, {})
     timed("single_odc", train_batch_run, rank, world, "odc", model_path, SINGLE,
           [[0, 1, 3, 4, 5], [2]], 30, {})
+    out["reference"] = reference_engine(model_path)
     out["refused_sp"] = refused(model_path, ulysses_sequence_parallel_size=2)
     out["refused_offload"] = refused(model_path, offload_policy=True)
     out["timings"] = timings

@@ -16,7 +16,8 @@ The engines are verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` wi
 after verl's FSDP2 wrapping, the minibatch barrier before verl's clipping, per-rank microbatch
 counts (no MAX over ranks) and metrics reduced once per step (``._engine`` has the details;
 docs/integrations.md the whole story). Unsupported settings (Ulysses sequence parallelism, a 2-D
-``fsdp_size`` mesh, CPU offload, ...) are refused when the engine is built.
+``fsdp_size`` mesh, CPU offload, ...) are refused when the engine is built. A forward-only
+engine (verl's reference model, whose strategy follows the actor's) is verl's FSDP2 engine.
 
 For CPU ranks (tests, the example), :func:`use_cpu_platform` registers a CPU platform through
 verl's ``PlatformRegistry``.

@@ -101,12 +101,9 @@ def _refusal(engine_config, model_config) -> str | None:
         return ("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism runs all-to-alls "
                 "inside every microbatch among its group, which ranks with different microbatch "
                 "counts cannot all call. Use ulysses_sequence_parallel_size=1")
-    if engine_config.fsdp_size not in (-1, world) and engine_config.fsdp_size < world:
+    if 0 <= engine_config.fsdp_size < world:
         return (f"fsdp_size={engine_config.fsdp_size} of {world} ranks (verl's 2-D ddp x fsdp "
                 "mesh) is not served by this engine. Use fsdp_size=-1")
-    if engine_config.forward_only:
-        return ("forward_only (a reference model) trains nothing: keep strategy 'fsdp2' for it "
-                "(its forwards run under verl's own FSDP2)")
     if engine_config.offload_policy:
         return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps shards in host memory, which "
                 "torch_odc.attach refuses. Use offload_policy=False")
@@ -122,7 +119,10 @@ class ODCEngineMixin:
     """What the "odc" engines add to verl's FSDP engines (see the module docstring)."""
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
-        problem = _refusal(engine_config, model_config)
+        # A forward-only engine (verl's reference model: ref.strategy follows actor.strategy)
+        # trains nothing: it runs as verl's own FSDP2 engine (CPU-offloaded, equal counts).
+        self.odc_active = not engine_config.forward_only
+        problem = _refusal(engine_config, model_config) if self.odc_active else None
         if problem:
             raise NotImplementedError(f"torch_odc verl engine (strategy '{STRATEGY}'): {problem}.")
         self.odc_balance = _option(engine_config, "odc_balance")
@@ -140,6 +140,8 @@ class ODCEngineMixin:
 
     def _init_device_mesh(self):
         super()._init_device_mesh()
+        if not self.odc_active:
+            return
         default = dist.distributed_c10d._get_default_group()
         if isinstance(default._get_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
             return  # verl's mesh already runs over odc
@@ -153,12 +155,15 @@ class ODCEngineMixin:
 
     def _build_fsdp_module(self, module):
         module = super()._build_fsdp_module(module)
-        self.odc_handle = torch_odc.attach(module, eager_publish=self.odc_eager_publish)
+        if self.odc_active:
+            self.odc_handle = torch_odc.attach(module, eager_publish=self.odc_eager_publish)
         return module
 
     # -- one mini-batch: this rank's microbatches, the barrier, the metrics ---------------------
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if not self.odc_active:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         tu.assign_non_tensor(data, sp_size=1)
         keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         planned = None

@@ -1,0 +1,382 @@
+"""verl's FSDP2 engine under on-demand communication: engine strategy "odc".
+
+verl 0.9.1 trains through ``TrainingWorker`` -> ``BaseEngine.train_batch`` (``optimizer_zero_grad``,
+``forward_backward_batch``, ``optimizer_step``) of ``FSDPEngineWithLMHead`` (actor, SFT) or
+``FSDPEngineWithValueHead`` (critic). The engines here subclass those two and change only what
+equal microbatch counts forced:
+
+* FSDP2 shards over an ``"odc"`` process group (a group of its own when the default one is not
+  odc), and ``torch_odc.attach`` runs right after verl's ``apply_fsdp2``.
+* ``forward_backward_batch`` lets each rank cut its own rows into the microbatches their tokens
+  need (verl's ``prepare_micro_batches`` with ``same_micro_num_in_dp=False``: no MAX over ranks);
+  with ``odc_balance="mini"`` the mini-batch's sequences are first re-partitioned over the
+  data-parallel ranks by LB-Mini (:func:`torch_odc.balance.plan`) and moved there.
+* ``optimizer_step`` waits in the model's minibatch barrier before verl's clipping.
+* ``train_batch`` reduces the per-microbatch ``Metric`` values over all ranks once, after the
+  step, to one value per rank, so that verl's ``Metric.aggregate_dp`` (which needs equal counts)
+  logs what it logs for an equalized run.
+
+Loss normalization is verl's own and already exact: its losses divide by the mini-batch's token
+(or sequence) count over all ranks and multiply by the DP size, which FSDP2's (and ODC's)
+gradient averaging divides back out.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.config import FSDPEngineConfig
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import (
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+import torch_odc
+from torch_odc import balance
+
+__all__ = [
+    "STRATEGY",
+    "ODCEngineConfig",
+    "ODCEngineMixin",
+    "ODCFSDPEngineWithLMHead",
+    "ODCFSDPEngineWithValueHead",
+]
+
+STRATEGY = "odc"
+_BALANCE = ("local", "mini")
+_COSTS = ("tokens", "flops", "verl")
+
+
+@dataclass
+class ODCEngineConfig(FSDPEngineConfig):
+    """verl's ``FSDPEngineConfig`` plus the ODC options (all optional; a plain
+    ``FSDPEngineConfig`` with ``strategy="odc"`` gets the defaults).
+
+    Attributes:
+        odc_balance: ``"local"``: each rank cuts its own rows into microbatches of at most
+            ``max_token_len_per_gpu`` tokens (verl's own packing, without padding the count to
+            the maximum over ranks). ``"mini"``: LB-Mini re-partitions each mini-batch's
+            sequences over the data-parallel ranks by cost (ranks may hold different numbers of
+            sequences, none included) and packs each rank's share; sequences move between ranks
+            with one all-to-all per mini-batch. Needs ``use_dynamic_bsz``.
+        odc_cost: LB-Mini's cost of a sequence: ``"tokens"``, ``"flops"`` (dense + attention
+            FLOPs of this model, :func:`torch_odc.balance.flops_cost`) or ``"verl"`` (verl's
+            own workload model, ``seqlen_balancing.calculate_workload``).
+        odc_eager_publish: passed to :func:`torch_odc.attach`.
+    """
+
+    odc_balance: str = "local"
+    odc_cost: str = "tokens"
+    odc_eager_publish: bool = True
+
+    def __post_init__(self):
+        # FSDPEngineConfig accepts only its own strategy names; "odc" is FSDP2 underneath.
+        strategy = self.strategy
+        object.__setattr__(self, "strategy", "fsdp2")
+        super().__post_init__()
+        object.__setattr__(self, "strategy", strategy)
+        if self.odc_balance not in _BALANCE:
+            raise ValueError(f"odc_balance must be one of {_BALANCE}, got {self.odc_balance!r}")
+        if self.odc_cost not in _COSTS:
+            raise ValueError(f"odc_cost must be one of {_COSTS}, got {self.odc_cost!r}")
+
+
+def _option(engine_config, name: str):
+    return getattr(engine_config, name, ODCEngineConfig.__dataclass_fields__[name].default)
+
+
+def _refusal(engine_config, model_config) -> str | None:
+    """Why verl's configuration cannot run under ODC, or None."""
+    world = dist.get_world_size()
+    if engine_config.ulysses_sequence_parallel_size > 1:
+        return ("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism runs all-to-alls "
+                "inside every microbatch among its group, which ranks with different microbatch "
+                "counts cannot all call. Use ulysses_sequence_parallel_size=1")
+    if 0 <= engine_config.fsdp_size < world:
+        return (f"fsdp_size={engine_config.fsdp_size} of {world} ranks (verl's 2-D ddp x fsdp "
+                "mesh) is not served by this engine. Use fsdp_size=-1")
+    if engine_config.offload_policy:
+        return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps shards in host memory, which "
+                "torch_odc.attach refuses. Use offload_policy=False")
+    if engine_config.param_offload:
+        return ("param_offload=True moves the shards to CPU between phases; ODC serves them "
+                "from where attach found them. Use param_offload=False")
+    if getattr(model_config, "enable_activation_offload", False):
+        return "enable_activation_offload: not tried with ODC"
+    return None
+
+
+class ODCEngineMixin:
+    """What the "odc" engines add to verl's FSDP engines (see the module docstring)."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        # A forward-only engine (verl's reference model: ref.strategy follows actor.strategy)
+        # trains nothing: it runs as verl's own FSDP2 engine (CPU-offloaded, equal counts).
+        self.odc_active = not engine_config.forward_only
+        problem = _refusal(engine_config, model_config) if self.odc_active else None
+        if problem:
+            raise NotImplementedError(f"torch_odc verl engine (strategy '{STRATEGY}'): {problem}.")
+        self.odc_balance = _option(engine_config, "odc_balance")
+        self.odc_cost = _option(engine_config, "odc_cost")
+        self.odc_eager_publish = _option(engine_config, "odc_eager_publish")
+        self.odc_handle = None
+        # Per optimizer step of this rank: its microbatch count, sequences and tokens.
+        self.odc_steps: list[dict] = []
+        # verl's FSDP engine branches on the strategy: this one is its FSDP2 path.
+        fsdp2_config = copy.copy(engine_config)
+        object.__setattr__(fsdp2_config, "strategy", "fsdp2")
+        super().__init__(model_config, fsdp2_config, optimizer_config, checkpoint_config)
+
+    # -- the process group and attach ---------------------------------------------------------
+
+    def _init_device_mesh(self):
+        super()._init_device_mesh()
+        if not self.odc_active:
+            return
+        default = dist.distributed_c10d._get_default_group()
+        if isinstance(default._get_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
+            return  # verl's mesh already runs over odc
+        # verl initializes the workers' group itself ("cpu:gloo,cuda:nccl"): FSDP2 shards over
+        # an odc group of the same ranks instead; verl's own collectives keep the default group.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = dist.new_group(backend=torch_odc.BACKEND_NAME)
+        self.device_mesh = DeviceMesh.from_group(
+            group, self.device_mesh.device_type, mesh_dim_names=self.device_mesh.mesh_dim_names)
+
+    def _build_fsdp_module(self, module):
+        module = super()._build_fsdp_module(module)
+        if self.odc_active:
+            self.odc_handle = torch_odc.attach(module, eager_publish=self.odc_eager_publish)
+        return module
+
+    # -- one mini-batch: this rank's microbatches, the barrier, the metrics ---------------------
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if not self.odc_active:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        tu.assign_non_tensor(data, sp_size=1)
+        keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        planned = None
+        if not forward_only and self.odc_balance == "mini":
+            data, planned = self._lb_mini(data, keep_outputs)
+        # The loss denominators over the DP group, as verl's engine computes them: one
+        # all-reduce per mini-batch, which every rank calls once.
+        num_tokens = data["loss_mask"].sum().to(torch.device(self.device_mesh.device_type))
+        dist.all_reduce(num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=num_tokens.item(),
+                             dp_size=self.get_data_parallel_size())
+        if planned is not None:
+            indices = planned
+            micro_batches = [tu.index_select_tensor_dict(data, mb) for mb in planned]
+        else:
+            # verl's own packing of this rank's rows, without the MAX over ranks.
+            micro_batches, indices = prepare_micro_batches(
+                data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=False)
+        outputs = []
+        for index, micro_batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync = (nullcontext() if forward_only
+                    else self._gradient_sync_context(is_last_micro_batch=last))
+            grad = torch.no_grad() if forward_only else nullcontext()
+            with grad, sync, torch.profiler.record_function(f"micro_batch{index}"):
+                loss, meta = self.forward_step(micro_batch, loss_function=loss_function,
+                                               forward_only=forward_only)
+                if not forward_only:
+                    scaler = getattr(self, "scaler", None)
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    if not keep_outputs:
+                        meta.pop("model_output", None)
+            outputs.append(meta)
+        if not forward_only:
+            self.odc_steps.append({"microbatches": len(micro_batches), "sequences": len(data),
+                                   "tokens": sum(_row_lengths(data)),
+                                   "received": self._odc_received if planned is not None else 0})
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def optimizer_step(self):
+        # Every rank's gradients are complete only after the barrier: verl's clipping (a
+        # collective over them), the GradScaler and the step come after it.
+        self.odc_handle.barrier()
+        return super().optimizer_step()
+
+    def train_batch(self, data, loss_function):
+        outputs = super().train_batch(data, loss_function)
+        if "metrics" in outputs:
+            _reduce_metrics(outputs["metrics"], self.get_data_parallel_group())
+        return outputs
+
+    # -- LB-Mini across the data-parallel ranks ------------------------------------------------
+
+    def _lb_mini(self, data, keep_outputs: bool):
+        """Re-partitions the mini-batch's sequences over the DP ranks with LB-Mini and moves
+        them there. Returns this rank's rows and its microbatches (lists of row positions)."""
+        where = f"torch_odc verl engine, rank {dist.get_rank()}, odc_balance='mini'"
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            raise NotImplementedError(
+                f"{where}: needs use_dynamic_bsz=True (LB-Mini packs microbatches up to "
+                "max_token_len_per_gpu tokens)")
+        if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+            raise NotImplementedError(f"{where}: force_group_size > 1 is not supported")
+        if keep_outputs:
+            raise NotImplementedError(
+                f"{where}: return_model_output=True would return other ranks' sequences")
+        group = self.get_data_parallel_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        cap = int(data["max_token_len_per_gpu"])
+        local = _row_lengths(data)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, local, group=group)
+        lengths = [n for part in everyone for n in part]
+        owner, offset = [], [0]
+        for r, part in enumerate(everyone):
+            owner += [r] * len(part)
+            offset.append(offset[-1] + len(part))
+        if max(lengths) > cap:
+            raise ValueError(
+                f"{where}: a sequence of {max(lengths)} tokens is longer than "
+                f"max_token_len_per_gpu={cap} (verl refuses it too)")
+        plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
+        wanted = [[i for mb in plan.microbatches[r] for i in mb] for r in range(world)]
+        sends = [[i - offset[rank] for i in wanted[d] if owner[i] == rank] for d in range(world)]
+        pieces = _all_to_all_rows(data, sends, group)
+        self._odc_received = sum(1 for i in wanted[rank] if owner[i] != rank)
+        # Rows arrive grouped by source rank, each group in this rank's wanted order.
+        arrived = [i for s in range(world) for i in wanted[rank] if owner[i] == s]
+        position = {g: p for p, g in enumerate(arrived)}
+        merged = _concat_rows(pieces, data)
+        mine = tu.index_select_tensor_dict(merged, [position[g] for g in wanted[rank]])
+        _copy_non_tensor(data, mine)
+        planned, at = [], 0
+        for mb in plan.microbatches[rank]:
+            planned.append(list(range(at, at + len(mb))))
+            at += len(mb)
+        return mine, planned
+
+    def _odc_cost_fn(self):
+        if self.odc_cost == "tokens":
+            return "tokens"
+        if self.odc_cost == "verl":
+            from verl.utils.seqlen_balancing import calculate_workload
+
+            return lambda n: float(calculate_workload(torch.tensor(n, dtype=torch.int64)))
+        config = self.model_config.hf_config
+        num_params = sum(p.numel() for p in self.module.parameters()) * dist.get_world_size(
+            self.device_mesh.get_group())
+        return lambda n: balance.flops_cost(
+            n, num_params=num_params, num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size)
+
+
+def _row_lengths(data) -> list[int]:
+    """Tokens of each row (the attention span verl packs by)."""
+    if len(data) == 0:
+        return []
+    input_ids = data["input_ids"]
+    if input_ids.is_nested:
+        return input_ids.offsets().diff().tolist()
+    return data["attention_mask"].sum(dim=1).tolist()
+
+
+def _row_keys(data) -> list[str]:
+    return [k for k, v in data.items() if isinstance(v, torch.Tensor)
+            or (getattr(v, "shape", None) and v.shape[0] == len(data))]
+
+
+def _all_to_all_rows(data, sends: list[list[int]], group) -> list:
+    """Sends rows ``sends[d]`` of ``data`` to rank d, one all-to-all of bytes (through the
+    group's CPU backend); returns what each rank sent here (None where nothing)."""
+    world = len(sends)
+    keys = _row_keys(data)
+    blobs = []
+    for rows in sends:
+        if not rows:
+            blobs.append(b"")
+            continue
+        buf = io.BytesIO()
+        torch.save(tu.index_select_tensor_dict(data.select(*keys), rows), buf)
+        blobs.append(buf.getvalue())
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    recv_sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
+    recv = torch.empty(max(1, int(recv_sizes.sum())), dtype=torch.uint8)
+    dist.all_to_all_single(recv[:int(recv_sizes.sum())], send[:int(send_sizes.sum())],
+                           output_split_sizes=recv_sizes.tolist(),
+                           input_split_sizes=send_sizes.tolist(), group=group)
+    pieces, at = [], 0
+    for size in recv_sizes.tolist():
+        if size:
+            raw = recv[at:at + size].numpy().tobytes()
+            pieces.append(torch.load(io.BytesIO(raw), weights_only=False))
+        else:
+            pieces.append(None)
+        at += size
+    return pieces
+
+
+def _concat_rows(pieces: list, like):
+    got = [p for p in pieces if p is not None]
+    if not got:
+        return tu.index_select_tensor_dict(like.select(*_row_keys(like)), [])
+    return got[0] if len(got) == 1 else tu.concat_tensordict(got)
+
+
+def _copy_non_tensor(source, target) -> None:
+    """The mini-batch's metadata (identical on every rank: sizes, flags, the token cap)."""
+    rows = set(_row_keys(source))
+    # TensorDict refuses `key in td`: compare key lists.
+    present = set(target.keys())
+    for key in list(source.keys()):
+        if key not in rows and key not in present:
+            tu.assign_non_tensor_data(target, key, tu.get_non_tensor_data(source, key, None))
+
+
+def _reduce_metrics(metrics: dict, group) -> None:
+    """Replaces each ``Metric`` (one value per microbatch of this rank) by one value per rank
+    that verl's ``Metric.aggregate_dp`` turns into the aggregate over every microbatch of every
+    rank: SUM -> the sum over all ranks divided by the DP size (what verl's mean over ranks of
+    per-index sums gives with equal counts), MEAN -> the mean over all microbatches, MIN/MAX ->
+    over all. Plain per-microbatch lists are left as they are (verl flattens them over ranks).
+    One all_gather_object, after the optimizer step."""
+    mine = {k: (v.aggregation.value, [float(x) for x in v.values])
+            for k, v in metrics.items() if isinstance(v, Metric)}
+    world = dist.get_world_size(group)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    keys = sorted({k for part in everyone for k in part})
+    for key in keys:
+        kinds = {part[key][0] for part in everyone if key in part}
+        if len(kinds) != 1:
+            raise RuntimeError(f"torch_odc verl engine: metric '{key}' is aggregated as "
+                               f"{sorted(kinds)} on different ranks")
+        kind = AggregationType(kinds.pop())
+        values = [x for part in everyone if key in part for x in part[key][1]]
+        if kind is AggregationType.SUM:
+            value = sum(values) / world
+        elif kind is AggregationType.MEAN:
+            value = sum(values) / len(values)
+        elif kind is AggregationType.MIN:
+            value = min(values)
+        else:
+            value = max(values)
+        metrics[key] = Metric(aggregation=kind, value=value)
+
+
+@EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu"])
+class ODCFSDPEngineWithLMHead(ODCEngineMixin, FSDPEngineWithLMHead):
+    """verl's actor / SFT engine (``FSDPEngineWithLMHead``) under ODC."""
+
+
+@EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=["cuda", "cpu"])
+class ODCFSDPEngineWithValueHead(ODCEngineMixin, FSDPEngineWithValueHead):
+    """verl's critic engine (``FSDPEngineWithValueHead``) under ODC."""

@@ -64,6 +64,11 @@ CASES = {
                    "gradient_accumulation_steps": 2, "importance_sampling_level": "sequence",
                    "beta": 0.1, "use_bias_correction_kl": True, "epsilon_high": 1.02},
                   {"rebalance": True}, True, "one"),
+    # A generation per TRL microbatch: one optimizer step spans 2 generation batches, each
+    # normalized by its own token count.
+    "dapo_gen_per_micro": ({"loss_type": "dapo", "steps_per_generation": 1,
+                            "gradient_accumulation_steps": 2},
+                           {"rebalance": True}, True, "one"),
     "luspo_seq": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
                    "num_iterations": 2, "gradient_accumulation_steps": 2},
                   {"rebalance": True}, True, "one"),

@@ -17,7 +17,7 @@ Adding a trainer (``dpo``) is one more entry.
 
 grpo: docs/examples/trl_grpo.py (HF generation, no vLLM). ``odc``: odc_trainer(GRPOTrainer) on
 the "odc" group, rollouts moved between ranks by LB-Mini and packed into token-capped
-microbatches; ``plain``: the unmodified GRPOTrainer on an NCCL group, FSDP2 as accelerate sets
+microbatches; ``odc-local`` (with ``--variants``): the same without moving rollouts; ``plain``: the unmodified GRPOTrainer on an NCCL group, FSDP2 as accelerate sets
 it up (on CPU: Gloo, and accelerate uses DDP), decoding with ``synced_gpus`` (FSDP2's per-layer
 all-gathers are collectives: ranks must decode the same number of steps). A step is one
 generation round and one optimizer step; a rollout is one completion; tokens are prompt +
@@ -55,6 +55,7 @@ class Mode:
     cpu_args: list[str]
     variants: dict[str, list[str]]
     summarize: Callable[[list[dict], int], dict]
+    default_variants: tuple[str, ...] = ("odc", "plain")
     unit: str = "rollouts"  # what one row of a step is
 
 
@@ -97,7 +98,8 @@ MODES: dict[str, Mode] = {
                   "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
                   "--max-completion", "32", "--mean-completion", "12",
                   "--max-tokens-per-microbatch", "96"],
-        variants={"odc": [], "plain": ["--plain"]},
+        # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
+        variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"]},
         summarize=_grpo_summary,
     ),
 }
@@ -205,10 +207,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps left out of the rates (default: 2 on GPUs, 1 on CPU)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset of the mode's variants (default: all)")
+                    help="comma-separated variants (default: odc,plain; grpo also has "
+                         "odc-local, ODC without moving rollouts)")
     args = ap.parse_args(argv)
     mode = MODES[args.mode]
-    variants = args.variants.split(",") if args.variants else list(mode.variants)
+    variants = args.variants.split(",") if args.variants else list(mode.default_variants)
+    unknown = [v for v in variants if v not in mode.variants]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; {args.mode} has {list(mode.variants)}")
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
     os.makedirs(args.out, exist_ok=True)
     stem = f"bench_trl_{args.mode}"

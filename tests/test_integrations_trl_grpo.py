@@ -64,6 +64,11 @@ CASES = {
                    "gradient_accumulation_steps": 2, "importance_sampling_level": "sequence",
                    "beta": 0.1, "use_bias_correction_kl": True, "epsilon_high": 1.02},
                   {"rebalance": True}, True, "one"),
+    # A generation per TRL microbatch: one optimizer step spans 2 generation batches, each
+    # normalized by its own token count.
+    "dapo_gen_per_micro": ({"loss_type": "dapo", "steps_per_generation": 1,
+                            "gradient_accumulation_steps": 2},
+                           {"rebalance": True}, True, "one"),
     "luspo_seq": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
                    "num_iterations": 2, "gradient_accumulation_steps": 2},
                   {"rebalance": True}, True, "one"),
@@ -176,7 +181,7 @@ def planner(lengths, world, step):
     return balance.plan(lengths, world, CAP, mode="mini").microbatches
 
 
-def train(case: str, mode: str, path: str) -> dict:
+def train(case: str, mode: str, path: str, cuda: bool = False) -> dict:
     """One run of `case`; mode "odc" (this rank of the odc group), "one" (one process) or
     "ddp" (this rank, unmodified TRL)."""
     import warnings
@@ -193,7 +198,7 @@ def train(case: str, mode: str, path: str) -> dict:
     args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "max_steps": STEPS,
             "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "sgd",
             "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
-            "report_to": [], "use_cpu": True, "seed": 0, "disable_tqdm": True,
+            "report_to": [], "use_cpu": not cuda, "seed": 0, "disable_tqdm": True,
             "dataloader_num_workers": 0, "bf16": False, "num_generations": NUM_GEN,
             "max_completion_length": MAX_COMPLETION, "epsilon": 0.1,
             "per_device_train_batch_size": PER_DEVICE * world, **overrides}
@@ -236,10 +241,11 @@ def _set_rank_env(rank, world):
                       MASTER_PORT="29561")
 
 
-def _odc_ranks(rank, world, cases, path):
+def _odc_ranks(rank, world, cases, path, cuda=False):
     _set_rank_env(rank, world)
-    out = {case: train(case, "odc", path) for case in cases}
-    out["refusals"] = refusals()
+    out = {case: train(case, "odc", path, cuda) for case in cases}
+    if not cuda:
+        out["refusals"] = refusals()
     return out
 
 
@@ -248,12 +254,12 @@ def _ddp_ranks(rank, world, cases, path):
     return {case: train(case, "ddp", path) for case in cases}
 
 
-def _one_process(rank, world, cases, path):
+def _one_process(rank, world, cases, path, cuda=False):
     import torch.distributed as dist
 
     dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
     os.environ.update(OFFLINE)
-    return {case: train(case, "one", path) for case in cases}
+    return {case: train(case, "one", path, cuda) for case in cases}
 
 
 def refusals() -> dict:
@@ -317,12 +323,37 @@ def runs():
     return reference, odc
 
 
+GPU_CASES = ("dapo", "grpo_beta")  # one-process references (NCCL refuses 2 ranks on one GPU)
+
+
+@functools.cache
+def gpu_runs():
+    """The reference on the GPU, the 2 ODC ranks sharing it: accelerate does the FSDP2 wrapping
+    itself there; the trainer's few CUDA collectives and the rollout exchange go through Gloo
+    (ODC_CUDA_COLLECTIVES=gloo: NCCL refuses two ranks on one device)."""
+    path = model_dir()
+    reference = run_ranks(1, _one_process, GPU_CASES, path, True, backend="gloo", timeout=600,
+                          cuda=True)[0]
+    odc = run_ranks(WORLD, _odc_ranks, GPU_CASES, path, True, timeout=900, cuda=True,
+                    env={"ODC_CUDA_COLLECTIVES": "gloo"})
+    return reference, odc
+
+
 SKIP_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_with_odc_matches_unmodified_trl(case):
-    reference, odc = runs()
+    check(case, *runs())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (2 ranks share one)")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_grpo_with_odc_matches_unmodified_trl(case):
+    check(case, *gpu_runs())
+
+
+def check(case, reference, odc):
     want = reference[case]
     initial = dict(build_model().named_parameters())
     for rank, out in enumerate(r[case] for r in odc):

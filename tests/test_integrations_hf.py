@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
+from hf_helpers import OFFLINE, full_params, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -34,8 +35,6 @@ FIXED_PLANS = {
 }
 WANT_COUNTS = [[3, 1], [0, 4]]
 LORA_KINDS = ("lora", "sft_lora")
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
 
 
 def sequences() -> list[list[int]]:
@@ -144,29 +143,10 @@ def train(kind: str, odc: bool, cuda: bool = False) -> dict:
             "logs": steps, "odc_steps": getattr(trainer, "odc_steps", None)}
 
 
-def full_params(model) -> dict:
-    """Every parameter, unsharded, on CPU. FSDP2 shards dim 0 in rank order, so the full tensor
-    is the concatenation of the ranks' local shards; they travel as CPU objects (Gloo), also
-    when the ranks share one GPU (NCCL refuses that; Gloo's all-gather of CUDA tensors is not
-    used here)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu()
-             for n, p in model.named_parameters()}
-    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    if not sharded:
-        return local
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, {n: local[n] for n in sharded})
-    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
-            for n, t in local.items()}
 
 
 def _set_rank_env(rank, world):
-    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29555")
+    set_rank_env(rank, world, port=29555)
 
 
 def _odc_ranks(rank, world, kinds, cuda=False):

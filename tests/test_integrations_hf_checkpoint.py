@@ -38,8 +38,9 @@ pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from hf_helpers import full_params, set_rank_env
 from multiproc import run_ranks
-from test_integrations_hf import OFFLINE, build_model, collate, full_params, tokenizer
+from test_integrations_hf import build_model, collate, tokenizer
 
 WORLD = 2
 PER_DEVICE = 3  # 6 sequences per step
@@ -113,8 +114,7 @@ def make_trainer(args, cls=None, callbacks=None):
 
 
 def _set_rank_env(rank, world):
-    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
+    set_rank_env(rank, world, port=29556)
 
 
 def _train(rank, world, output_dir, state_dict_type, cuda, resume_from, extra):

@@ -26,6 +26,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
+from hf_helpers import full_params, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -188,26 +189,10 @@ def train(case: str, odc: bool, data_dir: str | None = None, cuda: bool = False)
             "odc_steps": getattr(trainer, "odc_steps", None)}
 
 
-def full_params(model) -> dict:
-    """Every parameter, unsharded (FSDP2 shards dim 0 in rank order), on CPU."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
-             for n, p in model.named_parameters()}
-    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    if not sharded:
-        return local
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, {n: local[n] for n in sharded})
-    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
-            for n, t in local.items()}
 
 
 def _set_rank_env(rank, world):
-    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29556")
+    set_rank_env(rank, world, port=29556, env=OFFLINE)
 
 
 # ---- the refusals ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 
+from hf_helpers import full_params, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -218,27 +219,10 @@ def train(case: str, mode: str, path: str, cuda: bool = False) -> dict:
             "odc_steps": getattr(trainer, "odc_steps", None)}
 
 
-def full_params(model) -> dict:
-    """Every parameter, unsharded, on CPU (FSDP2 shards dim 0 in rank order)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    model = getattr(model, "module", model)  # DDP
-    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu()
-             for n, p in model.named_parameters()}
-    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    if not sharded:
-        return local
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, {n: local[n] for n in sharded})
-    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
-            for n, t in local.items()}
 
 
 def _set_rank_env(rank, world):
-    os.environ.update(OFFLINE, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29561")
+    set_rank_env(rank, world, port=29561, env=OFFLINE)
 
 
 def _odc_ranks(rank, world, cases, path, cuda=False):

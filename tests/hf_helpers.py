@@ -1,0 +1,38 @@
+"""Shared by the Hugging Face / TRL integration tests: the offline environment, a rank's
+launcher environment, and a model's parameters gathered whole."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+def set_rank_env(rank: int, world: int, port: int, env: dict | None = None) -> None:
+    """What torchrun would set for this rank (accelerate reads it), plus ``env`` (default
+    OFFLINE)."""
+    os.environ.update(OFFLINE if env is None else env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def full_params(model) -> dict:
+    """Every parameter, unsharded, on CPU (a copy). FSDP2 shards dim 0 in rank order, so the
+    full tensor is the concatenation of the ranks' local shards; they travel as CPU objects
+    (Gloo), also when the ranks share one GPU (NCCL refuses that). A DDP model is unwrapped."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model = getattr(model, "module", model)
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+             for n, p in model.named_parameters()}
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return local
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: local[n] for n in sharded})
+    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
+            for n, t in local.items()}

@@ -36,3 +36,25 @@ def full_params(model) -> dict:
     dist.all_gather_object(shards, {n: local[n] for n in sharded})
     return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
             for n, t in local.items()}
+
+
+def progressions(seed: str, count: int, vocab: int) -> list[list[int]]:
+    """``count`` token sequences of lengths 5..30: arithmetic progressions (learnable) over
+    ids 2..vocab-1, drawn from ``random.Random(seed)``."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n, start, step = rng.randint(5, 30), rng.randrange(2, vocab), rng.randrange(1, 5)
+        out.append([2 + (start + step * k) % (vocab - 2) for k in range(n)])
+    return out
+
+
+def fixed_or_lb_mini(fixed_plans: dict, lengths, world: int, step: int, cap: int = 40):
+    """A test planner: the step's plan from ``fixed_plans`` where given, else LB-Mini's."""
+    if step in fixed_plans:
+        return fixed_plans[step]
+    from torch_odc import balance
+
+    return balance.plan(lengths, world, cap, mode="mini").microbatches

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
-from hf_helpers import OFFLINE, full_params, set_rank_env
+from hf_helpers import OFFLINE, fixed_or_lb_mini, full_params, progressions, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -39,20 +39,11 @@ LORA_KINDS = ("lora", "sft_lora")
 
 def sequences() -> list[list[int]]:
     """Token sequences of lengths 5..30: arithmetic progressions (learnable)."""
-    rng = random.Random("test_integrations_hf")
-    out = []
-    for _ in range(SEQUENCES):
-        n, start, step = rng.randint(5, 30), rng.randrange(2, VOCAB), rng.randrange(1, 5)
-        out.append([2 + (start + step * k) % (VOCAB - 2) for k in range(n)])
-    return out
+    return progressions("test_integrations_hf", SEQUENCES, VOCAB)
 
 
 def planner(lengths, world, step):
-    if step in FIXED_PLANS:
-        return FIXED_PLANS[step]
-    from torch_odc import balance
-
-    return balance.plan(lengths, world, 40, mode="mini").microbatches
+    return fixed_or_lb_mini(FIXED_PLANS, lengths, world, step)
 
 
 def build_model(lora: bool):

@@ -38,7 +38,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from hf_helpers import full_params, set_rank_env
+from hf_helpers import fixed_or_lb_mini, full_params, progressions, set_rank_env
 from multiproc import run_ranks
 from test_integrations_hf import build_model, collate, tokenizer
 
@@ -67,20 +67,11 @@ BEST_IS_GREATER = False
 
 
 def sequences() -> list[list[int]]:
-    rng = random.Random("test_integrations_hf_checkpoint")
-    out = []
-    for _ in range(SEQUENCES):
-        n, start, step = rng.randint(5, 30), rng.randrange(2, VOCAB), rng.randrange(1, 5)
-        out.append([2 + (start + step * k) % (VOCAB - 2) for k in range(n)])
-    return out
+    return progressions("test_integrations_hf_checkpoint", SEQUENCES, VOCAB)
 
 
 def planner(lengths, world, step):
-    if step in FIXED_PLANS:
-        return FIXED_PLANS[step]
-    from torch_odc import balance
-
-    return balance.plan(lengths, world, 40, mode="mini").microbatches
+    return fixed_or_lb_mini(FIXED_PLANS, lengths, world, step)
 
 
 def sft_args(output_dir: str, state_dict_type: str, cuda: bool, **extra):

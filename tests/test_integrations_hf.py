@@ -264,8 +264,10 @@ def test_a_collective_per_microbatch_in_compute_loss_is_named_not_hung():
 EVAL_SEQUENCES = 4
 
 
-def _evaluate_every_step(odc: bool) -> dict:
-    """Full fine-tuning with an evaluation after every optimizer step."""
+def _evaluate_every_step(odc: bool, kind: str) -> dict:
+    """Full fine-tuning with an evaluation after every optimizer step, with the Trainer
+    ("full") or TRL's SFTTrainer ("sft": its fused LM head never calls lm_head, so after an
+    evaluation FSDP2 leaves the [norm, lm_head] unit mid-forward on torch 2.11)."""
     from transformers import Trainer, TrainingArguments
 
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
@@ -274,39 +276,54 @@ def _evaluate_every_step(odc: bool) -> dict:
     evals = [{"input_ids": [2 + rng.randrange(VOCAB - 2) for _ in range(rng.randint(5, 20))]}
              for _ in range(EVAL_SEQUENCES)]
     args = {**common_args(odc), "eval_strategy": "steps", "eval_steps": 1,
-            "per_device_eval_batch_size": 1 if odc else WORLD}
-    cls = odc_trainer(Trainer) if odc else Trainer
+            # TRL's evaluation loss is each batch's token mean (no token count across ranks):
+            # its one-process reference evaluates batches of one sequence as well.
+            "per_device_eval_batch_size": 1 if odc or kind == "sft" else WORLD}
     extra = {"odc": ODCConfig(max_tokens_per_microbatch=40, planner=planner)} if odc else {}
-    trainer = cls(model=build_model(False), args=TrainingArguments(**args),
-                  train_dataset=[{"input_ids": s} for s in sequences()], eval_dataset=evals,
-                  data_collator=collate, **extra)
+    if kind == "sft":
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
+        trainer = cls(model=build_model(False), processing_class=tokenizer(),
+                      train_dataset=datasets.Dataset.from_list([{"input_ids": s}
+                                                                for s in sequences()]),
+                      eval_dataset=datasets.Dataset.from_list(evals),
+                      args=SFTConfig(**args, max_length=None,
+                                     dataset_kwargs={"skip_prepare_dataset": True}), **extra)
+    else:
+        cls = odc_trainer(Trainer) if odc else Trainer
+        trainer = cls(model=build_model(False), args=TrainingArguments(**args),
+                      train_dataset=[{"input_ids": s} for s in sequences()], eval_dataset=evals,
+                      data_collator=collate, **extra)
     trainer.train()
     return {"params": full_params(trainer.model), "logs": trainer.state.log_history,
             "odc_steps": getattr(trainer, "odc_steps", None)}
 
 
-def _evaluate_every_step_odc(rank, world):
+def _evaluate_every_step_odc(rank, world, kind):
     _set_rank_env(rank, world)
-    return _evaluate_every_step(True)
+    return _evaluate_every_step(True, kind)
 
 
-def _evaluate_every_step_reference(rank, world):
+def _evaluate_every_step_reference(rank, world, kind):
     import torch.distributed as dist
 
     dist.destroy_process_group()
     os.environ.update(OFFLINE)
-    return _evaluate_every_step(False)
+    return _evaluate_every_step(False, kind)
 
 
-def test_evaluation_after_every_step_while_attached_matches_the_one_process_trainer():
+@pytest.mark.parametrize("kind", ["full", "sft"] if "sft" in KINDS else ["full"])
+def test_evaluation_after_every_step_while_attached_matches_the_one_process_trainer(kind):
     """eval_strategy="steps": an evaluation (forwards without backward) after every optimizer
     step, between two ODC minibatches, with counts [3, 1] then [0, 4]. FSDP2 keeps the root
     unsharded after a forward until a backward, which rank 0 (no microbatch in step 2) never
     ran: its clipping then saw the unsharded parameters (no .grad) and the ranks' norm
     collectives differed. Every logged loss, grad norm and evaluation loss, and the parameters,
     equal the one-process trainer's."""
-    want = run_ranks(1, _evaluate_every_step_reference, backend="gloo", timeout=600)[0]
-    got = run_ranks(WORLD, _evaluate_every_step_odc, timeout=600)
+    want = run_ranks(1, _evaluate_every_step_reference, kind, backend="gloo", timeout=600)[0]
+    got = run_ranks(WORLD, _evaluate_every_step_odc, kind, timeout=600)
 
     def logged(logs, key):
         return [(h["step"], h[key]) for h in logs if key in h]

@@ -14,29 +14,85 @@ def _make_gloo(store, rank: int, size: int, timeout):
     return dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo/", store), rank, size, timeout)
 
 
-def _nccl_factory(store, rank: int, size: int, timeout):
-    """Returns a callable that creates the inner NCCL backend, or None without CUDA/NCCL.
+CUDA_COLLECTIVES = ("auto", "nccl", "gloo")
 
-    ``ODC_CUDA_COLLECTIVES=gloo``: Gloo (through host memory) serves CUDA tensors instead, for
-    ranks that share one GPU, which NCCL refuses; a framework's few collectives per step (a grad
-    norm, a loss gather) then still run there. FSDP2's all-gathers and reduce-scatters of an
-    attached model do not use it."""
+
+def _cuda_collectives_mode() -> str:
     import os
 
+    mode = os.environ.get("ODC_CUDA_COLLECTIVES", "auto")
+    if mode not in CUDA_COLLECTIVES:
+        raise ValueError(
+            f"torch_odc: ODC_CUDA_COLLECTIVES={mode!r}: use auto (the default: NCCL, or Gloo for "
+            "a group with two ranks on one GPU), nccl or gloo")
+    return mode
+
+
+def _cuda_collectives_for(store, rank: int, size: int, ranks: list[int], device: str) -> str:
+    """ODC_CUDA_COLLECTIVES=auto: "nccl", or "gloo" where two ranks of the group are on one GPU
+    (NCCL refuses two ranks of a communicator on one device). Collective over the group through
+    its store: every rank publishes its device (`device`, a GPU UUID) and reads the others', so
+    every rank of the group decides the same."""
+    import warnings
+
+    placement = dist.PrefixStore("odc/cuda-device/", store)
+    placement.set(str(rank), device)
+    devices = [device if r == rank else placement.get(str(r)).decode() for r in range(size)]
+    ranks = list(ranks) if len(ranks) == size else list(range(size))  # global ranks
+    by_device: dict[str, list[int]] = {}
+    for r, d in enumerate(devices):
+        by_device.setdefault(d, []).append(ranks[r])
+    shared = [group for group in by_device.values() if len(group) > 1]
+    if not shared:
+        return "nccl"
+    warnings.warn(
+        f"torch_odc: ranks {' and '.join(str(g) for g in shared)} of the process group of ranks "
+        f"{ranks} share a GPU, which NCCL refuses: this group's CUDA "
+        "collectives run over Gloo (through host memory). ODC_CUDA_COLLECTIVES=gloo or =nccl "
+        "chooses without this check.",
+        stacklevel=2,
+    )
+    return "gloo"
+
+
+def _cuda_factory(store, rank: int, size: int, timeout, ranks: list[int]):
+    """Returns a callable that creates the inner backend for CUDA tensors (called at the group's
+    first CUDA collective), or None without CUDA/NCCL.
+
+    ``ODC_CUDA_COLLECTIVES`` picks it: ``auto`` (default) NCCL, unless two ranks of this group
+    are on one GPU (checked at that first collective), which NCCL refuses: then Gloo (through
+    host memory) serves this group's CUDA tensors, so a framework's few collectives per step (a
+    grad norm, a loss gather) still run there. Per group: in an HSDP mesh whose shard groups
+    each share one GPU, the shard groups get Gloo and the replicate groups (across GPUs) NCCL.
+    ``nccl`` / ``gloo`` force one for every group. FSDP2's all-gathers and reduce-scatters of an
+    attached model do not use it."""
+    mode = _cuda_collectives_mode()
     if not torch.cuda.is_available():
         return None
-    if os.environ.get("ODC_CUDA_COLLECTIVES", "nccl") == "gloo":
-        return lambda: dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo-cuda/", store), rank, size,
-                                             timeout)
+
+    def gloo():
+        return dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo-cuda/", store), rank, size,
+                                     timeout)
+
+    if mode == "gloo":
+        return gloo
     if not dist.is_nccl_available():
         return None
 
-    def create():
+    def nccl():
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(dist.PrefixStore("odc/nccl/", store), rank, size, opts)
 
-    return create
+    if mode == "nccl":
+        return nccl
+
+    def auto():
+        device = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        choice = _cuda_collectives_for(store, rank, size, ranks, device)
+        return gloo() if choice == "gloo" else nccl()
+
+    return auto
 
 
 def _attempt_store(store):
@@ -62,7 +118,7 @@ def _create_backend(backend_opts, pg_options) -> _C.OdcBackend:
         size,
         timeout,
         _make_gloo(store, rank, size, timeout),
-        _nccl_factory(store, rank, size, timeout),
+        _cuda_factory(store, rank, size, timeout, list(backend_opts.global_ranks_in_group)),
     )
 
 

@@ -8,6 +8,12 @@ mixed precision; a divide factor. A (2 x 1) mesh keeps FSDP2's own path with a w
 one machine presented as several hosts (ODC_HOST_ID): a 1-D mesh over them keeps collective
 semantics with a warning that shows the HSDP mesh to use; an HSDP mesh with one host per shard
 group runs on demand.
+
+GPUs: the same 2 x 2 mesh on 2 GPUs, each shard group's 2 ranks sharing one GPU (ODC over CUDA
+IPC between the two processes there; the group's own CUDA collectives, here clipping's norm,
+through Gloo, since NCCL refuses two ranks of a communicator on one GPU) and the replicate
+groups across the 2 GPUs (NCCL, once per minibatch); its layout also runs on CPU. On 4 GPUs,
+one rank per GPU, against the reference and against FSDP2's own HSDP over NCCL.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ import pytest
 import torch
 from multiproc import run_ranks
 from test_conformance import BF16, FP32, REL16, make_model, reference, train
+
+import torch_odc
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 UNEVEN = [[1, 2, 0, 3], [3, 0, 1, 1], [0, 0, 2, 1], [2, 2, 0, 0]]
 EVEN = [[2, 2, 2, 2], [1, 1, 1, 1], [3, 3, 3, 3]]
@@ -94,6 +104,136 @@ def test_an_hsdp_mesh_with_one_host_per_shard_group_runs_on_demand():
     _close([p for p, _ in results], {"mesh": MESH}, UNEVEN, 4)
 
 
+# ---- GPUs ------------------------------------------------------------------------------------
+
+# 4 ranks as (2 replicas x 2 shards) on 2 GPUs: rank r on GPU r // 2, so each shard group (a
+# mesh row: ranks 0-1, 2-3) shares one GPU and each replicate group (a column: 0-2, 1-3) spans
+# both. The cases of the CPU test above; "bf16-clip" also runs a CUDA collective over the shard
+# group (clipping's norm), which needs Gloo there, beside the replicas' NCCL all-reduce.
+TWO_GPU_CASES = {
+    "fp32": ({"mesh": MESH, "branch": True, "no_sync": True}, 2e-5),
+    "bf16-clip": ({"mesh": MESH, "mp": (BF16, FP32), "clip": 0.05}, REL16),
+}
+
+
+def _placed(rank, world, cfg, plan, ranks_per_gpu):
+    """train() with rank r on GPU r // ranks_per_gpu (CUDA; set before the mesh, which keeps it).
+    Returns this rank's parameters (on GPUs its dim-0 shards), its GPU, the name of the inner
+    backend that served CUDA tensors in its shard and its replicate group (None where no CUDA
+    collective ran there) and the torch_odc warnings."""
+    import torch.distributed as dist
+
+    cuda = cfg.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank // ranks_per_gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params = train(rank, world, cfg, plan)
+    shards = cfg["mesh"][1]
+    first = rank - rank % shards
+    groups = {"shard": list(range(first, first + shards)),
+              "replicate": list(range(rank % shards, world, shards))}
+    inner = {}
+    for pg, members in dist.distributed_c10d._world.pg_group_ranks.items():
+        for what, ranks in groups.items():
+            if sorted(members) == ranks:
+                cuda_backend = torch_odc.odc_backend(pg).cuda_backend
+                name = None if cuda_backend is None else cuda_backend.name()
+                inner[what] = inner.get(what) or name
+    return (params, torch.cuda.current_device() if cuda else None, inner,
+            [str(w.message) for w in caught if "torch_odc" in str(w.message)],
+            None if cuda else _cuda_collectives_choices(rank, world))
+
+
+def _check_two_gpu_layout(name, device):
+    cfg, tol = TWO_GPU_CASES[name]
+    cfg = {**cfg, "device": device}
+    cuda = device == "cuda"
+    # auto (the default) spelled out: NCCL per group unless two of its ranks share a GPU.
+    results = run_ranks(4, _placed, cfg, UNEVEN, 2, env={"ODC_CUDA_COLLECTIVES": "auto"},
+                        timeout=300.0)
+    for rank, (_, gpu, inner, caught, choices) in enumerate(results):
+        shard = [rank - rank % 2, rank - rank % 2 + 1]
+        replicate = [rank % 2, rank % 2 + 2]
+        print(f"rank {rank}: GPU {gpu}, inner CUDA backends {inner}, warnings {caught}")
+        if cuda:
+            assert gpu == rank // 2, (rank, gpu)
+            # The replicas' all-reduce at the barrier ran over NCCL across the two GPUs; the
+            # shard group's CUDA collectives (clipping only) over Gloo, named in one warning.
+            assert inner == {"replicate": "nccl",
+                             "shard": "gloo" if cfg.get("clip") else None}, (rank, inner)
+            named = [m for m in caught if f"of the process group of ranks {shard} " in m]
+            assert len(named) == (1 if cfg.get("clip") else 0), (rank, caught)
+            assert not any(f"group of ranks {replicate} " in m for m in caught), (rank, caught)
+        else:
+            assert inner == {"replicate": None, "shard": None}, (rank, inner)
+            assert caught == [], (rank, caught)
+            _check_cuda_collectives_choices(rank, choices)
+    if cuda:  # each replica's two ranks hold the whole model as dim-0 shards
+        params = [{k: torch.cat([r[0][k] for r in replica]) for k in replica[0][0]}
+                  for replica in (results[:2], results[2:])]
+    else:
+        params = [r[0] for r in results]
+    _close(params, cfg, UNEVEN, 4, tol)
+
+
+def _cuda_collectives_choices(rank, world):
+    """ODC_CUDA_COLLECTIVES=auto's choice, with GPUs named as on 2 GPUs (rank r on "GPU r // 2"),
+    for this rank's shard group, replicate group and the world, each deciding through its own
+    prefix of the real store as a group's backend does."""
+    import torch.distributed as dist
+
+    from torch_odc import _backend
+
+    store = dist.distributed_c10d._get_default_store()
+    gpu = f"GPU-{rank // 2}"
+    groups = {"shard": (rank % 2, [rank - rank % 2, rank - rank % 2 + 1]),
+              "replicate": (rank // 2, [rank % 2, rank % 2 + 2]),
+              "world": (rank, list(range(world)))}
+    out = {}
+    for what, (group_rank, ranks) in groups.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            choice = _backend._cuda_collectives_for(
+                dist.PrefixStore(f"{what}{ranks}/", store), group_rank, len(ranks), ranks, gpu)
+        out[what] = choice, [str(w.message) for w in caught]
+    return out
+
+
+def _check_cuda_collectives_choices(rank, got):
+    shard = [rank - rank % 2, rank - rank % 2 + 1]
+    assert got["replicate"] == ("nccl", []), got
+    choice, caught = got["shard"]
+    assert choice == "gloo" and len(caught) == 1, got
+    assert f"ranks {shard} of the process group of ranks {shard} share a GPU" in caught[0]
+    choice, caught = got["world"]
+    assert choice == "gloo" and len(caught) == 1, got
+    assert "ranks [0, 1] and [2, 3] of the process group of ranks [0, 1, 2, 3]" in caught[0]
+
+
+def test_an_unknown_inner_backend_choice_is_refused(monkeypatch):
+    from torch_odc import _backend
+
+    monkeypatch.setenv("ODC_CUDA_COLLECTIVES", "NCCL")
+    with pytest.raises(ValueError, match="ODC_CUDA_COLLECTIVES='NCCL': use auto"):
+        _backend._cuda_collectives_mode()
+
+
+def test_hsdp_2x2_layout_with_shared_devices_runs_on_cpu():
+    """The 2-GPU test's code path on CPU ranks (its bf16-clip case: the fp32 case is the CPU
+    test's fp32 case): no CUDA backend is created, no warning. The ranks also check
+    ODC_CUDA_COLLECTIVES=auto's choice for the 2-GPU layout with GPUs named per rank: Gloo for
+    the shard groups and the world (two ranks on one GPU), NCCL for the replicate groups."""
+    _check_two_gpu_layout("bf16-clip", "cpu")
+
+
+@pytest.mark.skipif(GPUS < 2 or not torch_odc._C._has_cuda_transport(),
+                    reason="needs 2 CUDA GPUs and a CUDA build")
+@pytest.mark.parametrize("name", list(TWO_GPU_CASES))
+def test_gpu_hsdp_2x2_on_two_gpus_shard_groups_share_a_gpu(name):
+    _check_two_gpu_layout(name, "cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
                     reason="needs 4 CUDA GPUs (one per rank: the replicas all-reduce over NCCL)")
 @pytest.mark.parametrize("mp", [None, (BF16, FP32)], ids=["fp32", "bf16"])
@@ -103,3 +243,17 @@ def test_gpu_hsdp_2x2_uneven_counts_equal_the_reference(mp):
     for replica in (shards[:2], shards[2:]):  # ranks 0-1 and 2-3 each hold the whole model
         got = {k: torch.cat([r[k] for r in replica]) for k in replica[0]}
         _close([got], cfg, UNEVEN, 4, REL16 if mp else 2e-5)
+
+
+@pytest.mark.skipif(GPUS < 4 or not torch_odc._C._has_cuda_transport(),
+                    reason="needs 4 CUDA GPUs (one per rank: FSDP2's shard groups over NCCL)")
+def test_gpu_hsdp_2x2_on_four_gpus_equals_fsdp2_hsdp_over_nccl():
+    cfg = {"mesh": MESH, "device": "cuda", "branch": True}
+    odc = run_ranks(4, train, cfg, EVEN, cuda=True)
+    fsdp2 = run_ranks(4, train, {**cfg, "attach": False}, EVEN, backend="nccl", cuda=True)
+    for rank, (a, b) in enumerate(zip(odc, fsdp2, strict=True)):
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=2e-5,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+    for replica in (odc[:2], odc[2:]):
+        _close([{k: torch.cat([r[k] for r in replica]) for k in replica[0]}], cfg, EVEN, 4)

@@ -1057,6 +1057,16 @@ def main():
                 for mode in ("mini", "micro")}
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             entry["pack_tokens"] = pack
+            # The memory arithmetic (memory_estimate) at this run's longest microbatch, to set
+            # beside the measured peaks.
+            longest = max(sum(int(x[i]) for i in m) for x in lengths
+                          for r in plans(x, world, "mini", cost, pack).microbatches for m in r)
+            est = memory_estimate(args.model, world, optimizer_of(args), longest)
+            entry["memory_estimate_gib"] = {"longest_microbatch_tokens": longest, **est}
+            print(f"[{w}] memory arithmetic at the longest microbatch ({longest} tokens): ODC "
+                  f"~{est['odc_total']:.1f} GiB (allocator + region), FSDP2 "
+                  f"~{est['fsdp2_total_first_microbatch']:.1f} GiB in a first microbatch, "
+                  f"~{est['fsdp2_total_grad_held']:.1f} GiB with its .grad", flush=True)
             results["workloads"][w] = entry
     if sync_report:
         sync_report.__exit__(None, None, None)

@@ -75,11 +75,12 @@ MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
 # 2 x 11008 SwiGLU input, their gradients) and the fp32 log-softmax of the chunked loss (128
 # KB): ~0.5 MiB per token, 31 GiB at the longest sequence run (63165 tokens, long-context),
 # plus FSDP2's unsharded layers (two bf16 layers of 386 MiB, a layer's bf16 gradients and the
-# fp32 reduce-scatter input, the root's 500 MiB embedding and head) and the loss chunk's
-# logits, ~4.5 GiB. With SGD, ODC's peak is ~12.55 + 18.8 (region) + 4.5 + 31 = ~67 GiB, FSDP2's
-# ~61 (it frees its .grad at zero_grad); with AdamW 92 GiB: it does not fit, and leaves ~14 GiB
-# of activations (~28K tokens). So 7B runs SGD (no state; the step is outside the timed window,
-# and the memory ODC adds beside FSDP2 is the same either way).
+# fp32 reduce-scatter input, the root's 500 MiB embedding and head), ~2.4 GiB. With SGD, ODC's
+# peak is ~12.55 + 18.8 (region) + 2.4 + 30.4 = ~64 GiB; FSDP2's ~45 (the longest sequence runs
+# first, before its .grad exists; ~58 with it); with AdamW ~89 GiB: it does not fit, and leaves
+# ~14 GiB of activations (~28K tokens). So 7B runs SGD (no state; the step is outside the timed
+# window, and the memory ODC adds beside FSDP2 is the same either way). `memory_estimate` and
+# --dry-plan compute this.
 DEFAULT_OPTIMIZER = {"7b": "sgd"}  # the others: adamw
 META_INIT = ("7b",)  # built on the meta device, initialized shard by shard after fully_shard
 # The cost model's lengths per model (None: calibration_lengths): 7B costs ~8x 1B per token, so
@@ -508,8 +509,8 @@ def uncovered(spans, cover):
 def memory_estimate(model: str, world: int, optimizer: str, tokens: int,
                     loss_chunk: int = 8192) -> dict:
     """GiB per rank, by the arithmetic of the comment at MODELS (docs/benchmarks.md, "7B-class
-    on 2 GPUs"), for a microbatch of `tokens` tokens. Per token and layer, one layer's
-    recompute with its backward holds ~62 B x dim (58 measured on CPU with
+    on 2 GPUs"), for a microbatch of `tokens` tokens. Per token, one layer's recompute with
+    its backward holds ~62 B x dim (58 measured on CPU with
     torch.distributed._tools.mem_tracker at dim 512 and 1024, plus CUDA flash attention's fp32
     dq accumulator). Checked on the 1B model's 4 x H200 run (long-context / RL, 4 sequences per
     rank): 17.1-18.1 / 9.3-10.2 GiB (without / with FSDP2's .grad) where the allocator peaked

@@ -103,7 +103,8 @@ if has e2e; then
   # fully_shard, SGD (AdamW's states do not fit beside long-context activations on 2 x 80 GB:
   # docs/benchmarks.md, "7B-class on 2 GPUs"); defaults then: workloads "long-context rl",
   # configs "nccl-micro odc-mini", E2E_SPR=4, E2E_MB=1, E2E_RUN_S=100, the allocator's
-  # expandable segments (E2E_ALLOC_CONF; empty: torch's default). Results e2e_7b_*. On 2 H100:
+  # expandable segments (E2E_ALLOC_CONF; empty: torch's default); E2E_OPT=adamw|sgd overrides
+  # the optimizer (7B with AdamW: RL only, ~70 GiB). Results e2e_7b_*. On 2 H100:
   # ~45 s calibration, ~85 / 75 s long-context (nccl-micro / odc-mini), ~50 / 50 s rl, each
   # with ~20 s of process start (E2E_MB=2: +20 s per long-context run, +6 s per rl run).
   model="${E2E_MODEL:-1b}"; mtag=""; e2e_run_s="${E2E_RUN_S:-60}"; spr_default="4 16"
@@ -132,7 +133,7 @@ if has e2e; then
           rc=1; continue
         fi
         timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
-          --model "$model" --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
+          --model "$model" ${E2E_OPT:+--optimizer "$E2E_OPT"} --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
           --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
           --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e${mtag}_${spr}spr.log"
         if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi

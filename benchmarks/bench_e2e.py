@@ -23,6 +23,12 @@ no kernel running, the GPU waiting for the host); the plan's own idle bound; GPU
 microbatch (CUDA events); peak memory and the ODC region; the planner's predicted makespan ratio
 micro/mini for the same data. On CPU (a smoke test of the code path: --device cpu, tiny model)
 busy is the host time and only indicative.
+
+``--model 7b`` (Llama-2-7B's shape, 2 GPUs; docs/benchmarks.md, "7B-class on 2 GPUs") is built
+on the meta device and each rank initializes only its own shards after fully_shard, trains
+with SGD (AdamW's states do not fit beside its long-context activations; the arithmetic is at
+MODELS) and reports ODC's memory beside FSDP2's per sharded parameter. ``--dry-plan`` prints,
+without a GPU, the plans, planner bound, memory arithmetic and modeled run time.
 """
 
 from __future__ import annotations
@@ -57,8 +63,29 @@ WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal,
              "rl-packed": rl_like}
 MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
     "1b": (2048, 19, 16, 8, 5632, 32000),  # 1.03e9 parameters
+    "7b": (4096, 32, 32, 32, 11008, 32000),  # Llama-2-7B's shape: 6.74e9 parameters
     "tiny": (64, 2, 4, 2, 176, 512),
 }
+# 7B on 2 x H100 80GB (docs/benchmarks.md, "7B-class on 2 GPUs"). Per rank, 3.37e9 sharded
+# parameters: fp32 master 12.55 GiB, fp32 gradients 12.55 GiB (FSDP2's .grad; under ODC the
+# accumulators, of which .grad is a view), ODC's bf16 published cache 6.28 GiB; AdamW's two fp32
+# states would add 25.1 GiB. Activations per token of a microbatch (bf16, checkpointing): the
+# 32 layer inputs, 32 x 8 KB = 256 KB, held until the backward reaches them, plus the larger of
+# one layer's recompute with its backward (~255 KB: q, k, v, rotary, attention, norms, the
+# 2 x 11008 SwiGLU input, their gradients) and the fp32 log-softmax of the chunked loss (128
+# KB): ~0.5 MiB per token, 31 GiB at the longest sequence run (63165 tokens, long-context),
+# plus FSDP2's unsharded layers (two bf16 layers of 386 MiB, a layer's bf16 gradients and the
+# fp32 reduce-scatter input, the root's 500 MiB embedding and head), ~2.4 GiB. With SGD, ODC's
+# peak is ~12.55 + 18.8 (region) + 2.4 + 30.4 = ~64 GiB; FSDP2's ~45 (the longest sequence runs
+# first, before its .grad exists; ~58 with it); with AdamW ~89 GiB: it does not fit, and leaves
+# ~14 GiB of activations (~28K tokens). So 7B runs SGD (no state; the step is outside the timed
+# window, and the memory ODC adds beside FSDP2 is the same either way). `memory_estimate` and
+# --dry-plan compute this.
+DEFAULT_OPTIMIZER = {"7b": "sgd"}  # the others: adamw
+META_INIT = ("7b",)  # built on the meta device, initialized shard by shard after fully_shard
+# The cost model's lengths per model (None: calibration_lengths): 7B costs ~8x 1B per token, so
+# six points, one warmup pass over two short lengths.
+CALIBRATION = {"7b": ([509, 2039], [1021, 3067, 6143, 12281, 24571, 32749])}
 H200_BF16_DENSE_FLOPS = 989.4e12
 COMM_KERNELS = ("nccl", "publishKernel", "publishFlagsKernel", "Memcpy PtoP",
                 "odcWaitAll", "odcGather", "odcPush")
@@ -242,16 +269,20 @@ def fit_cost(samples, n_params: float, layers: int, dim: int) -> CostModel:
 
 def calibrate(args, device, nccl_group):
     """Fits the cost model on this machine: one warmup pass, then one timed pass over lengths
-    this process has not run (`calibration_lengths`), each sequence its own microbatch under
-    ODC, timed from issue to GPU completion. Every rank fits its own; the slowest rates and the
-    largest floor over ranks are kept, so every rank plans with the same numbers."""
+    this process has not run (`calibration_lengths`, or the model's own in CALIBRATION), each
+    sequence its own microbatch under ODC, timed from issue to GPU completion. Every rank fits
+    its own; the slowest rates and the largest floor over ranks are kept, so every rank plans
+    with the same numbers."""
     dim, layers, vocab = MODELS[args.model][0], MODELS[args.model][1], MODELS[args.model][5]
     model, handle, n_params = build(args, device, "odc")
     lengths = calibration_lengths(args.length_scale)
+    warm = [n + 3 for n in lengths]
+    if args.model in CALIBRATION:
+        warm, lengths = ([max(2, int(n * args.length_scale)) for n in x]
+                         for x in CALIBRATION[args.model])
     samples = []
     for timed in (False, True):
-        for n in lengths:
-            n = n if timed else n + 3
+        for n in lengths if timed else warm:
             tokens = torch.randint(0, vocab, (n + 1,), device=device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -299,7 +330,8 @@ def build(args, device, kind, eager_publish=True):
 
     dim, layers, heads, kv_heads, ffn, vocab = MODELS[args.model]
     torch.manual_seed(0)
-    with torch.device(device):
+    meta = args.model in META_INIT or getattr(args, "meta_init", False)
+    with torch.device("meta" if meta else device):
         model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
     odc = kind == "odc"
     if args.mesh:  # HSDP: ODC inside each shard group vs FSDP2-HSDP over NCCL, same mesh
@@ -312,8 +344,28 @@ def build(args, device, kind, eager_publish=True):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if meta:  # only this rank's shards are ever allocated
+        model.to_empty(device=device)
+        init_shards(model, device, seed=dist.get_rank())
     handle = torch_odc.attach(model, eager_publish=eager_publish) if odc else None
     return model, handle, sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def init_shards(model, device, seed: int):
+    """Random weights written into each rank's own shards (after `to_empty`), distributed as
+    the modules' defaults: norms 1, embedding N(0, 1), linear weights U(+-1 / sqrt(fan_in)).
+    Seeded by rank, so every configuration starts from the same values."""
+    gen = torch.Generator(device=device).manual_seed(1000 + seed)
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # a view of the shard
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name == "embed.weight":
+            local.normal_(0.0, 1.0, generator=gen)
+        else:
+            bound = p.shape[1] ** -0.5  # the global (out, in) shape
+            local.uniform_(-bound, bound, generator=gen)
 
 
 def merged_busy(intervals):
@@ -454,6 +506,114 @@ def uncovered(spans, cover):
     return total
 
 
+def memory_estimate(model: str, world: int, optimizer: str, tokens: int,
+                    loss_chunk: int = 8192) -> dict:
+    """GiB per rank, by the arithmetic of the comment at MODELS (docs/benchmarks.md, "7B-class
+    on 2 GPUs"), for a microbatch of `tokens` tokens. Per token, one layer's recompute with
+    its backward holds ~62 B x dim (58 measured on CPU with
+    torch.distributed._tools.mem_tracker at dim 512 and 1024, plus CUDA flash attention's fp32
+    dq accumulator). Checked on the 1B model's 4 x H200 run (long-context / RL, 4 sequences per
+    rank): 17.1-18.1 / 9.3-10.2 GiB (without / with FSDP2's .grad) where the allocator peaked
+    at 17.9 / 9.4 GiB."""
+    dim, layers, heads, kv_heads, ffn, vocab = MODELS[model]
+    with torch.device("meta"):
+        net = Llama(dim, layers, heads, kv_heads, ffn, vocab)
+    n = sum(p.numel() for p in net.parameters())
+    layer = sum(p.numel() for p in net.layers[0].parameters())
+    root = n - layers * layer
+    shard = n / world
+    gib = 2**30
+    state = {"fp32 master shards": 4 * shard, "fp32 gradients (FSDP2 .grad / ODC accumulators)":
+             4 * shard, "optimizer states": (8 * shard if optimizer == "adamw" else 0)}
+    checkpoints = layers * dim * 2 * tokens  # every layer's bf16 input
+    recompute = 62 * dim * tokens
+    logits = 4 * vocab * tokens + 6 * vocab * min(loss_chunk, tokens)  # fp32 log-softmax + chunk
+    unsharded = 2 * root + layer * (2 + 2 + 2 + 4)  # root; 2 layers, bf16 grads, fp32 RS input
+    act = checkpoints + max(recompute, logits)
+    odc = sum(state.values()) + 2 * shard + unsharded + act
+    fsdp_first = sum(state.values()) - 4 * shard + unsharded + act  # no .grad yet
+    return {"params": n, "sharded_params": shard,
+            **{k: v / gib for k, v in state.items()},
+            "ODC published bf16 cache": 2 * shard / gib,
+            "unsharded layers and root": unsharded / gib,
+            "activations": act / gib,
+            "odc_total": odc / gib, "fsdp2_total_grad_held": (odc - 2 * shard) / gib,
+            "fsdp2_total_first_microbatch": fsdp_first / gib}
+
+
+def dry_plan(args):
+    """No GPU, no process group: the model's size, each workload's seeded lengths, plans and
+    planner bound at --world ranks, the memory arithmetic at the longest microbatch and the
+    run time the cost model predicts (--calibration; default: a guess for H100)."""
+    world = args.world
+    dim, layers = MODELS[args.model][0], MODELS[args.model][1]
+    fit = CostModel.parse(args.calibration or "4.5e14,2.4e14,0.45")
+    est = memory_estimate(args.model, world, optimizer_of(args), 1)
+    n_params = est["params"]
+    print(f"model {args.model}: {n_params / 1e9:.3f}e9 parameters, {est['sharded_params'] / 1e9:.3f}e9 "
+          f"per rank at {world} ranks; optimizer {optimizer_of(args)}; cost model {fit}")
+    n_minibatches = args.warmup + args.minibatches + 1
+    for w in args.workloads:
+        pack = pack_tokens_of(w, args)
+        cost = time_cost(fit, n_params, layers, dim, pack)
+        rng = np.random.default_rng(1234)
+        lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
+                                  * args.length_scale).astype(np.int64))
+                   for _ in range(n_minibatches)]
+        span = {m: [plans(x, world, m, cost, pack).makespan for x in lengths]
+                for m in ("micro", "mini")}
+        measured = lengths[args.warmup:-1]
+        ratio = np.mean([plans(x, world, "micro", cost, pack).makespan
+                         / plans(x, world, "mini", cost, pack).makespan for x in measured])
+        longest = max(max(sum(int(x[i]) for i in m) for r in plans(x, world, "mini", cost,
+                                                                   pack).microbatches
+                          for m in r) for x in lengths)
+        mem = memory_estimate(args.model, world, optimizer_of(args), longest)
+        print(f"[{w}] longest microbatch {longest} tokens; planner micro/mini {ratio:.3f} "
+              f"(measured minibatches); modeled seconds of the {n_minibatches} minibatches: "
+              f"micro {sum(span['micro']):.1f}, mini {sum(span['mini']):.1f}")
+        print("   memory (GiB per rank): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in mem.items() if k not in ("params", "sharded_params")))
+
+
+def optimizer_of(args) -> str:
+    return args.optimizer or DEFAULT_OPTIMIZER.get(args.model, "adamw")
+
+
+def memory_vs_reference(entry) -> dict:
+    """ODC's memory beside FSDP2 over NCCL's on the same workload, per sharded parameter of a
+    rank: (ODC's allocator peak + its region) - FSDP2's allocator peak, the largest rank of
+    each; the same for what stays allocated through the microbatches (FSDP2's .grad, ODC's
+    accumulators); and the region beside the fp32 .grad FSDP2 keeps (its published cache and
+    control words). FSDP2 allocates its .grad at a minibatch's first reduce-scatter, so a peak
+    reached in a rank's first microbatch (plans run the longest sequence first) lacks it: the
+    peak difference can exceed the cache by up to the gradients' 4 B per parameter."""
+    cfgs = entry["configs"]
+    ref = next((c for c in cfgs if c.split("-")[0] in ("nccl", "gloo")), None)
+    out = {}
+    if ref is None:
+        return out
+    ra = cfgs[ref]["allocator_per_rank"]
+    numel = max(a.get("sharded_numel", 0) for a in ra)
+    for cfg, s in cfgs.items():
+        if not cfg.startswith("odc") or not numel:
+            continue
+        oa = s["allocator_per_rank"]
+        row = {"reference": ref, "sharded_numel": numel,
+               "region_bytes": max(a.get("region_bytes", 0) for a in oa)}
+        row["region_minus_fp32_grad_b_per_param"] = (row["region_bytes"] - 4 * numel) / numel
+        if all("peak_bytes" in a for a in oa + ra):
+            odc = max(a["peak_bytes"] + a.get("region_bytes", 0) for a in oa)
+            fsdp = max(a["peak_bytes"] for a in ra)
+            row.update(odc_peak_plus_region_bytes=odc, reference_peak_bytes=fsdp,
+                       peak_b_per_param=(odc - fsdp) / numel)
+            odc = max(a["held_after_microbatches_bytes"] + a.get("region_bytes", 0) for a in oa)
+            fsdp = max(a["held_after_microbatches_bytes"] for a in ra)
+            row["held_b_per_param"] = (odc - fsdp) / numel
+        out[cfg] = row
+    return out
+
+
 def pack_tokens_of(workload: str, args) -> int:
     """The token cap of the workload's microbatches (1: one sequence per microbatch)."""
     return args.rl_pack_tokens if workload == "rl-packed" else args.pack_tokens
@@ -470,8 +630,12 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
     # collectives); like torchtitan, collect between minibatches only.
     gc.collect()
     gc.disable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    if optimizer_of(args) == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     mode = cfg.split("-")[1]
+    held = 0  # allocator bytes after a minibatch's microbatches, before the barrier: max
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
@@ -533,6 +697,9 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             torch.cuda._sleep(1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            # What stays allocated through the microbatches (FSDP2 holds its sharded fp32 .grad
+            # here; ODC its accumulators, in the region): no sync, the allocator's own count.
+            held = max(held, torch.cuda.memory_allocated(device))
         t_work = time.perf_counter() - t0
         if odc:
             tb = time.perf_counter()
@@ -569,17 +736,25 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
     if device.type == "cuda":
         st = torch.cuda.memory_stats(device)
         alloc = {k: st.get(k) for k in ("num_alloc_retries", "num_device_alloc",
-                                         "num_device_free")}
-    region = None
+                                         "num_device_free", "num_ooms")}
+        alloc["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        alloc["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        alloc["held_after_microbatches_bytes"] = held
+    region = region_detail = None
     if handle is not None:
-        region = handle.stats()["region_bytes"] / 2**30
+        stats = handle.stats()
+        region, region_detail = stats["region_bytes"] / 2**30, stats.get("memory")
+        alloc["region_bytes"] = stats["region_bytes"]
         handle.detach()
+    # this rank's sharded parameters (FSDP2's and ODC's per-parameter memory is per these)
+    alloc["sharded_numel"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                 for p in model.parameters())
     gc.enable()
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"rows": rows, "profiled": prof_row, "peak_mem_gib": peak, "n_params": n_params,
-            "allocator": alloc, "odc_region_gib": region}
+            "allocator": alloc, "odc_region_gib": region, "odc_region": region_detail}
 
 
 def summarize(per_rank, args, world, lengths_measured, n_params):
@@ -619,6 +794,7 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in per_rank],
         # The ODC region (caches, accumulators) is allocated outside torch's allocator.
         "odc_region_gib_per_rank": [r["odc_region_gib"] for r in per_rank],
+        "odc_region_per_rank": [r.get("odc_region") for r in per_rank],
         "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
         "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
         "profiled_minibatch": {"wall_s_per_rank": [r["profiled"]["wall_s"] for r in per_rank],
@@ -673,13 +849,16 @@ def write_results(results, out, tag):
         first = next(iter(entry["configs"]))
         for s in entry["configs"].values():
             s["speedup_vs_" + first] = s["tokens_per_s_per_gpu"] / base
+            s["of_planner_bound"] = (s["speedup_vs_" + first]
+                                     / entry["predicted_speedup_mini_over_micro"])
+        entry["memory_vs_reference"] = memory_vs_reference(entry)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, tag + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
     print(f"\n{'workload':<13}{'config':<15}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
           f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
-          "  planner micro/mini")
+          "  planner micro/mini (speedup / planner)")
     for w, entry in results["workloads"].items():
         first = next(iter(entry["configs"]))
         for cfg, s in entry["configs"].items():
@@ -691,7 +870,19 @@ def write_results(results, out, tag):
                   f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
                   f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
                   f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "
-                  f"{entry['predicted_speedup_mini_over_micro']:.3f}")
+                  f"{entry['predicted_speedup_mini_over_micro']:.3f} "
+                  f"({s['speedup_vs_' + first] / entry['predicted_speedup_mini_over_micro']:.1%})")
+    for w, entry in results["workloads"].items():  # ODC's memory beside FSDP2's
+        for cfg, m in memory_vs_reference(entry).items():
+            line = (f"memory {w} {cfg} vs {m['reference']} ({m['sharded_numel'] / 1e6:.1f}M "
+                    f"sharded params per rank): region {m['region_bytes'] / 2**30:.2f} GiB "
+                    f"= fp32 .grad + {m['region_minus_fp32_grad_b_per_param']:.3f} B/param")
+            if "peak_b_per_param" in m:
+                line += (f"; peak+region {m['odc_peak_plus_region_bytes'] / 2**30:.2f} GiB vs "
+                         f"peak {m['reference_peak_bytes'] / 2**30:.2f}: "
+                         f"{m['peak_b_per_param']:+.3f} B/param; held through the microbatches "
+                         f"{m['held_b_per_param']:+.3f} B/param")
+            print(line)
 
 
 def merge(paths, out, tag):
@@ -720,6 +911,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None,
+                   help="default: sgd for 7b (AdamW's states do not fit beside its long-context "
+                        "activations on 2 x 80 GB), adamw otherwise")
+    p.add_argument("--meta-init", action="store_true",
+                   help="build on the meta device and initialize each rank's shards after "
+                        "fully_shard (always for 7b; no full copy of the weights anywhere)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"])
     p.add_argument("--seqs-per-rank", type=int, default=4)
@@ -750,7 +947,14 @@ def main():
     p.add_argument("--sync-debug", action="store_true",
                    help="diagnostic: report every operation in the measured minibatches that "
                         "makes the host wait for the GPU, with its Python stack (rank 0)")
+    p.add_argument("--dry-plan", action="store_true",
+                   help="no GPU, no process group: print the model size, plans, planner bound, "
+                        "memory arithmetic and modeled run time of --workloads at --world ranks")
+    p.add_argument("--world", type=int, default=2, help="ranks of --dry-plan")
     args = p.parse_args()
+    if args.dry_plan:
+        dry_plan(args)
+        return
     if args.merge:
         merge(args.merge, args.out, args.tag or "e2e_merged")
         return
@@ -854,6 +1058,16 @@ def main():
                 for mode in ("mini", "micro")}
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             entry["pack_tokens"] = pack
+            # The memory arithmetic (memory_estimate) at this run's longest microbatch, to set
+            # beside the measured peaks.
+            longest = max(sum(int(x[i]) for i in m) for x in lengths
+                          for r in plans(x, world, "mini", cost, pack).microbatches for m in r)
+            est = memory_estimate(args.model, world, optimizer_of(args), longest)
+            entry["memory_estimate_gib"] = {"longest_microbatch_tokens": longest, **est}
+            print(f"[{w}] memory arithmetic at the longest microbatch ({longest} tokens): ODC "
+                  f"~{est['odc_total']:.1f} GiB (allocator + region), FSDP2 "
+                  f"~{est['fsdp2_total_first_microbatch']:.1f} GiB in a first microbatch, "
+                  f"~{est['fsdp2_total_grad_held']:.1f} GiB with its .grad", flush=True)
             results["workloads"][w] = entry
     if sync_report:
         sync_report.__exit__(None, None, None)
@@ -867,6 +1081,7 @@ def main():
             "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
             "git_commit": os.environ.get("ODC_GIT_COMMIT"),
             "model": args.model, "seqs_per_rank": args.seqs_per_rank,
+            "optimizer": optimizer_of(args), "length_scale": args.length_scale,
             "pack_tokens": args.pack_tokens,
         }
         tag = args.tag or f"e2e_{args.model}_{world}{'gpu' if args.device == 'cuda' else 'cpu'}"

@@ -99,34 +99,48 @@ if has e2e; then
   # E2E_RL_PACK: the token cap of the rl-packed workload (RL sequences packed into varlen
   # microbatches, reported beside "rl"). With ODC_DEADLINE, a run is skipped when less than
   # E2E_RUN_S seconds (default 60) are left.
+  # E2E_MODEL=7b (issue 31): Llama-2-7B's shape on the meta device, shards initialized after
+  # fully_shard, SGD (AdamW's states do not fit beside long-context activations on 2 x 80 GB:
+  # docs/benchmarks.md, "7B-class on 2 GPUs"); defaults then: workloads "long-context rl",
+  # configs "nccl-micro odc-mini", E2E_SPR=4, E2E_MB=1, E2E_RUN_S=100, the allocator's
+  # expandable segments (E2E_ALLOC_CONF; empty: torch's default); E2E_OPT=adamw|sgd overrides
+  # the optimizer (7B with AdamW: RL only, ~70 GiB). Results e2e_7b_*. On 2 H100:
+  # ~45 s calibration, ~85 / 75 s long-context (nccl-micro / odc-mini), ~50 / 50 s rl, each
+  # with ~20 s of process start (E2E_MB=2: +20 s per long-context run, +6 s per rl run).
+  model="${E2E_MODEL:-1b}"; mtag=""; e2e_run_s="${E2E_RUN_S:-60}"; spr_default="4 16"
+  if [[ $model == 7b ]]; then
+    export PYTORCH_CUDA_ALLOC_CONF="${E2E_ALLOC_CONF-expandable_segments:True}"
+    : "${E2E_WORKLOADS:=long-context rl}" "${E2E_CONFIGS:=nccl-micro odc-mini}" "${E2E_MB:=1}"
+    e2e_run_s="${E2E_RUN_S:-100}"; spr_default=4; mtag="_7b"
+  fi
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
   cal="${E2E_CAL:-}"
   if [[ -z $cal ]]; then
     cal=$(timeout "$(capped "${E2E_CAL_TIMEOUT:-150}")" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
-          --pack-tokens "$pack" 2>&1 | tee "$OUT/calibration.log" | grep -o 'CALIBRATION=.*' \
-          | cut -d= -f2)
-    [[ -n $cal ]] || { echo "cost-model calibration failed"; tail -20 "$OUT/calibration.log"; exit 1; }
+          --model "$model" --pack-tokens "$pack" 2>&1 | tee "$OUT/calibration${mtag}.log" \
+          | grep -o 'CALIBRATION=.*' | cut -d= -f2)
+    [[ -n $cal ]] || { echo "cost-model calibration failed"; tail -20 "$OUT/calibration${mtag}.log"; exit 1; }
   fi
   echo "cost model: $cal"
-  for spr in ${E2E_SPR:-4 16}; do
+  for spr in ${E2E_SPR:-$spr_default}; do
     mb=4; (( spr > 4 )) && mb=1; mb="${E2E_MB:-$mb}"
     parts=()
     for w in ${E2E_WORKLOADS:-long-context rl rl-packed equal}; do
       for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do
-        tag="p${spr}_${w}_${c}"
-        if (( $(left) < ${E2E_RUN_S:-60} )); then
-          echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e_${spr}spr.log"
+        tag="p${spr}${mtag}_${w}_${c}"
+        if (( $(left) < e2e_run_s )); then
+          echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
           rc=1; continue
         fi
         timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
-          --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
+          --model "$model" ${E2E_OPT:+--optimizer "$E2E_OPT"} --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
           --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
-          --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e_${spr}spr.log"
+          --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e${mtag}_${spr}spr.log"
         if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi
       done
     done
     (( ${#parts[@]} )) && "$PY" benchmarks/bench_e2e.py --merge "${parts[@]}" --out "$OUT" \
-      --tag "e2e_1b_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e_${spr}spr.log"
+      --tag "e2e_${model}_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
   done
 fi
 if has diag; then

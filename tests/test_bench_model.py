@@ -140,3 +140,88 @@ def test_kernel_breakdown_without_markers_uses_the_compute_window():
     assert abs(b["work_span_s"] - 300e-6) < 1e-12 and abs(b["busy_s"] - 200e-6) < 1e-12
     assert abs(b["comm_only_s"] - 50e-6) < 1e-12 and abs(b["host_gap_s"] - 50e-6) < 1e-12
     assert kernel_breakdown([]) == {}
+
+
+def _train_meta_built(rank, world):
+    """One microbatch of rank-specific tokens through the benchmark's meta-device build (each
+    rank initializes its own shards after fully_shard), under FSDP2 over gloo and under ODC."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from bench_e2e import build
+
+    import torch_odc
+
+    build.nccl_group = dist.new_group(backend="gloo")
+    args = SimpleNamespace(model="tiny", mesh=None, meta_init=True)
+    tokens = torch.randint(0, MODELS["tiny"][5], (41,),
+                           generator=torch.Generator().manual_seed(7 + rank))
+    out = {"tokens": tokens}
+    for kind in ("nccl", "odc"):
+        model, handle, _ = build(args, torch.device("cpu"), kind)
+        weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        loss = model([tokens])
+        loss.backward()
+        if handle is not None:
+            torch_odc.minibatch_barrier()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        if handle is not None:
+            handle.detach()
+        out[kind] = (loss.item(), weights, grads)
+    return out
+
+
+def test_meta_device_build_trains_the_initialized_shards():
+    """--meta-init (always for --model 7b): the weights FSDP2 and ODC gather are the ones
+    init_shards wrote (a plain model loaded with them gives the same loss), initialized as the
+    modules' defaults, and both configurations start from the same values and train alike."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiproc import run_ranks
+
+    results = run_ranks(2, _train_meta_built, timeout=240)
+    weights = results[0]["nccl"][1]
+    assert torch.equal(weights["norm.weight"], torch.ones_like(weights["norm.weight"]))
+    assert 0.9 < weights["embed.weight"].std().item() < 1.1
+    bound = MODELS["tiny"][0] ** -0.5
+    wq = weights["layers.0.wq.weight"]
+    assert wq.abs().max().item() <= bound and wq.std().item() > 0.5 * bound / 3**0.5
+    ref = Llama(*MODELS["tiny"])
+    ref.load_state_dict(weights)
+    ref = ref.to(torch.bfloat16)
+    for r in results:
+        for name, t in r["odc"][1].items():
+            assert torch.equal(t, weights[name]), name
+        expect = ref([r["tokens"]]).item()
+        assert r["nccl"][0] == expect and r["odc"][0] == expect, (r["nccl"][0], r["odc"][0], expect)
+        for name, g in r["nccl"][2].items():
+            assert torch.isfinite(g).all() and g.abs().sum() > 0, name
+            assert torch.allclose(r["odc"][2][name], g, rtol=1e-5, atol=1e-6), name
+
+
+def test_7b_shape_and_memory_arithmetic():
+    """--model 7b is Llama-2-7B's shape; the arithmetic docs/benchmarks.md quotes: ODC needs its
+    published cache (2 B per sharded parameter) beside FSDP2 holding its .grad, fits 78 GiB with
+    SGD at long-context's longest sequence (63165 tokens), and not with AdamW."""
+    from bench_e2e import memory_estimate
+
+    sgd = memory_estimate("7b", 2, "sgd", 63165)
+    assert sgd["params"] == 6_738_415_616 and sgd["sharded_params"] == 3_369_207_808
+    cache = 2 * sgd["sharded_params"] / 2**30
+    assert abs(sgd["odc_total"] - sgd["fsdp2_total_grad_held"] - cache) < 1e-9
+    assert sgd["odc_total"] < 70
+    assert memory_estimate("7b", 2, "adamw", 63165)["odc_total"] > 78
+
+
+def test_memory_vs_reference_per_sharded_parameter():
+    from bench_e2e import memory_vs_reference
+
+    n, gib = 1_000_000, 2**30
+    ref = [{"peak_bytes": 10 * gib, "held_after_microbatches_bytes": 3 * gib + 4 * n,
+            "sharded_numel": n}] * 2
+    odc = [{"peak_bytes": 10 * gib, "held_after_microbatches_bytes": 3 * gib,
+            "sharded_numel": n, "region_bytes": 6 * n + 100}] * 2
+    got = memory_vs_reference({"configs": {"nccl-micro": {"allocator_per_rank": ref},
+                                           "odc-mini": {"allocator_per_rank": odc}}})["odc-mini"]
+    assert got["peak_b_per_param"] == (6 * n + 100) / n
+    assert got["held_b_per_param"] == (2 * n + 100) / n
+    assert got["region_minus_fp32_grad_b_per_param"] == (2 * n + 100) / n

@@ -110,7 +110,8 @@ if has tests; then
   # SIGINT at its limit (TESTS_SERIAL_TIMEOUT 180 s, TESTS_TIMEOUT 330 s, both shortened to end
   # before ODC_DEADLINE), so pytest still writes its report. gpu_tests.log holds both phases;
   # then one summary line (GPU SUITE GREEN / NOT GREEN: counts, wall seconds), the phases, skip
-  # reasons, failures and the slowest tests (also in gpu_tests_summary.txt).
+  # reasons (! marks a skip this machine should not need: not green), failures and the slowest
+  # tests (also in gpu_tests_summary.txt).
   sel=(${TESTS:-tests}); k="${TESTS_K:-gpu or cuda}"
   common=(-q -p no:cacheprovider -rfEs --durations=15 -k "$k")
   workers="${TESTS_WORKERS:-8}"
@@ -141,7 +142,7 @@ if has tests; then
     phases+=(--phase "$label=$OUT/gpu_tests_$phase.xml:$prc:$(( SECONDS - t0 ))")
     (( prc == 0 || prc == 5 )) || rc=1
   done
-  "$PY" benchmarks/suite_summary.py --wall $(( SECONDS - t_start )) "${phases[@]}" \
+  "$PY" benchmarks/suite_summary.py --wall $(( SECONDS - t_start )) --gpus "$gpus" "${phases[@]}" \
     | tee "$OUT/gpu_tests_summary.txt" || rc=1
 fi
 if has bench; then

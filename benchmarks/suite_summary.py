@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -33,12 +34,29 @@ def read(path: str) -> list[dict]:
     return cases
 
 
+def unexpected_skip(reason: str, gpus: int) -> bool:
+    """A skip the machine should not need: a package that did not import, or fewer GPUs asked
+    for than it has ("needs a GPU", "needs 2 CUDA GPUs", "needs at least 2 ...")."""
+    if "could not import" in reason or "No module named" in reason:
+        return True
+    if "no CUDA transport" in reason:
+        return gpus > 0
+    m = re.search(r"needs (?:at least )?(a|an|one|\d+) (?:CUDA )?GPU", reason)
+    if m is None:
+        return False
+    need = 1 if m.group(1) in ("a", "an", "one") else int(m.group(1))
+    return need <= gpus
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wall", type=float, required=True, help="wall seconds of the stage")
     parser.add_argument("--phase", action="append", default=[],
                         help="NAME=JUNIT_XML:EXIT_CODE:SECONDS (exit code and seconds optional)")
     parser.add_argument("--slowest", type=int, default=12)
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs of the machine: a skip asking for as many or fewer (or for a "
+                             "package that did not import) makes the run not green")
     args = parser.parse_args(argv)
     cases, notes = [], []
     for spec in args.phase:
@@ -62,18 +80,22 @@ def main(argv=None) -> int:
                      f"{counts['failed']} failed, {counts['skipped']} skipped, "
                      f"{counts['error']} errors")
     counts = collections.Counter(c["outcome"] for c in cases)
-    ok = counts["failed"] == 0 and counts["error"] == 0 and not any(
+    reasons = collections.Counter(c["message"] for c in cases if c["outcome"] == "skipped")
+    unexpected = {r for r in reasons if args.gpus is not None and unexpected_skip(r, args.gpus)}
+    if unexpected:
+        notes.append(f"{sum(reasons[r] for r in unexpected)} skipped that this machine "
+                     f"({args.gpus} GPUs) should run (marked !)")
+    ok = counts["failed"] == 0 and counts["error"] == 0 and not unexpected and not any(
         "time limit" in n or "exited" in n or "no report" in n for n in notes)
     print(f"GPU SUITE {'GREEN' if ok else 'NOT GREEN'}: {counts['passed']} passed, "
           f"{counts['failed']} failed, {counts['skipped']} skipped, {counts['error']} errors "
           f"in {args.wall:.0f} s wall")
     for n in notes:
         print(f"  {n}")
-    reasons = collections.Counter(c["message"] for c in cases if c["outcome"] == "skipped")
     if reasons:
         print("skip reasons:")
         for reason, n in reasons.most_common():
-            print(f"  {n:4d} x {reason}")
+            print(f"  {'!' if reason in unexpected else ' '}{n:4d} x {reason}")
     bad = [c for c in cases if c["outcome"] in ("failed", "error")]
     if bad:
         print("failed / errors:")

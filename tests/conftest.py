@@ -26,10 +26,10 @@ COST_S = {
     "test_integrations_trl_grpo.py": 120,
     "test_integrations_trl_dpo.py": 60,
     "test_framework_forwarding.py": 60,
+    "test_hsdp.py": 60,  # 4 ranks on 2 GPUs
     "test_integrations_hf_checkpoint.py": 45,
     "test_integrations_hf.py": 40,
     "test_demo.py": 40,
-    "test_hsdp.py": 35,
     "test_bench_step.py": 30,
     "test_gpu_forwarding.py": 30,
     "test_gpu_odc.py": 25,

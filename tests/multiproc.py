@@ -8,6 +8,7 @@ A hung group is killed after ``timeout`` seconds and reported as such, never lef
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
@@ -20,6 +21,9 @@ import torch.multiprocessing as mp
 def _worker(rank, world_size, backend, store_path, fn, args, results, device_per_rank, env,
             pg_timeout):
     os.environ.update(env)
+    # A rank that crashes (SIGSEGV, SIGABRT) prints its Python stack to stderr, which pytest
+    # shows with the failure ("ranks [r] exited with codes [-11] without a result").
+    faulthandler.enable()
     try:
         import torch
         import torch.distributed as dist

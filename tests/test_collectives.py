@@ -117,3 +117,39 @@ def test_new_group_and_2d_device_mesh():
             assert out[dim + "_backend"] == "odc"
         assert sorted(out["dp_ranks"]) == [rank % 2, rank % 2 + 2]
         assert sorted(out["tp_ranks"]) == [2 * (rank // 2), 2 * (rank // 2) + 1]
+
+
+def _functional_all_gathers(rank, world, device):
+    """DTensor.full_tensor() and the functional coalesced all-gather (what a full state dict
+    and DTensor redistribution run), on this rank's device."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+    mesh = init_device_mesh(device, (world,))
+    full = torch.arange(6.0 * world * 4, device=dev).view(6 * world // 2, 8)
+    shard = DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)
+    whole = shard.full_tensor()
+    inputs = [torch.full((3,), float(rank), device=dev),
+              torch.full((1, 2), 10.0 + rank, device=dev)]
+    outs = [t.wait() if hasattr(t, "wait") else t
+            for t in funcol.all_gather_into_tensor_coalesced(inputs, dist.group.WORLD)]
+    return whole.cpu(), full.cpu(), [o.cpu() for o in outs]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu", "cuda-gloo"])
+def test_functional_all_gathers_and_full_tensor(device):
+    """On CUDA tensors with ODC_CUDA_COLLECTIVES=gloo (ranks sharing a GPU: NCCL refuses them),
+    Gloo's own coalesced all-gathers have no CUDA path (pytorch/pytorch#152645: a SIGSEGV);
+    odc runs them as one Gloo all-gather per tensor. The same calls on CPU ranks."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    world = 2
+    env = {"ODC_CUDA_COLLECTIVES": "gloo"} if device == "cuda" else None
+    for whole, full, outs in run_ranks(world, _functional_all_gathers, device, cuda=device == "cuda",
+                                       env=env):
+        torch.testing.assert_close(whole, full, rtol=0, atol=0)
+        assert outs[0].tolist() == [float(r) for r in range(world) for _ in range(3)]
+        assert outs[1].shape == (world, 2)
+        assert outs[1].tolist() == [[10.0 + r] * 2 for r in range(world)]

@@ -8,6 +8,8 @@ import pytest
 from failure_cases import PG_TIMEOUT, check_failure_report, fail_in_second_minibatch, odc_shm_names
 from multiproc import run_ranks
 
+pytestmark = pytest.mark.serial  # durations against the timeout, /dev/shm before/after
+
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
 @pytest.mark.parametrize("how", ["kill", "hang"])

@@ -12,10 +12,16 @@ from multiproc import run_ranks
 
 import torch_odc
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
-    reason="needs a CUDA GPU and a CUDA build",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+        reason="needs a CUDA GPU and a CUDA build",
+    ),
+    # Durations against the timeout and /dev/shm before/after: not beside other tests.
+    pytest.mark.serial,
+]
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_gpu_a_dead_or_hung_peer_is_reported_fast_naming_it(how, eager):

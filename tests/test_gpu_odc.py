@@ -55,6 +55,7 @@ def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol, f
         assert stats["minibatches"] == len(uneven) and stats["bytes_fetched"] > 0
 
 
+@pytest.mark.serial  # times rank 0's microbatch against rank 1's 2 s sleep
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
 def test_gpu_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     """On GPUs the wait for a peer's publish is on the device: with eager publishing rank 0's

@@ -332,6 +332,7 @@ def test_grpo_with_odc_matches_unmodified_trl(case):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (2 ranks share one)")
+@pytest.mark.xdist_group("trl_grpo_gpu_runs")  # one gpu_runs() for both cases (tests/conftest.py)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_grpo_with_odc_matches_unmodified_trl(case):
     check(case, *gpu_runs())

@@ -11,7 +11,7 @@ import argparse
 import datetime
 import math
 import os
-import socket
+import tempfile
 import time
 import warnings
 
@@ -100,13 +100,7 @@ def sequence_tokens(minibatch: int, index: int, length: int, vocab: int) -> torc
     return torch.randint(0, vocab, (length + 1,), generator=gen)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _train(rank: int, args, port: int, results) -> None:
+def _train(rank: int, args, store_path: str, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_odc
@@ -117,8 +111,7 @@ def _train(rank: int, args, port: int, results) -> None:
         torch.cuda.set_device(device)
     else:  # ranks share the host's cores: one intra-op thread each, no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    store = dist.TCPStore("127.0.0.1", port, args.world_size, rank == 0,
-                          timeout=datetime.timedelta(seconds=120))
+    store = dist.FileStore(store_path, args.world_size)
     dist.init_process_group("odc", store=store, rank=rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=300))
     world = args.world_size
@@ -188,8 +181,10 @@ def run(args) -> list[tuple]:
     """Trains in a fresh group of spawned ranks; returns rank 0's rows, one per minibatch."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_train, args=(args, _free_port(), results), nprocs=args.world_size,
-                       start_method="spawn", join=True)
+    # Rendezvous in a fresh file (no port to pick: demos running side by side cannot collide).
+    with tempfile.TemporaryDirectory(prefix="odc-demo-") as tmp:
+        mp.start_processes(_train, args=(args, os.path.join(tmp, "store"), results),
+                           nprocs=args.world_size, start_method="spawn", join=True)
     return sorted((results.get() for _ in range(args.minibatches)), key=lambda r: r[0])
 
 

@@ -314,18 +314,62 @@ WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                  [&](c10d::Backend& b) { return b._allgather_base(output, input, opts); });
 }
 
+namespace {
+
+// Gloo serving CUDA tensors (ODC_CUDA_COLLECTIVES=gloo): its coalesced all-gathers have no CUDA
+// path (they copy the tensors' device pointers as host memory: a SIGSEGV, pytorch/pytorch#152645),
+// and functional collectives (DTensor.full_tensor(), a full state dict) use
+// allgather_into_tensor_coalesced. Its single all-gathers do stage CUDA tensors through host
+// memory, so the coalesced ones run as one of those per tensor.
+bool glooOnCuda(c10d::Backend& b, c10::DeviceType device) {
+  return device == c10::DeviceType::CUDA && b.getBackendName() == "gloo";
+}
+
+}  // namespace
+
 WorkPtr OdcBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::AllgatherOptions& opts) {
-  return forward(deviceOf(inputs, "allgather_coalesced"),
-                 [&](c10d::Backend& b) { return b.allgather_coalesced(outputs, inputs, opts); });
+  const auto device = deviceOf(inputs, "allgather_coalesced");
+  return forward(device, [&](c10d::Backend& b) -> WorkPtr {
+    if (!glooOnCuda(b, device)) return b.allgather_coalesced(outputs, inputs, opts);
+    TORCH_CHECK(outputs.size() == inputs.size(), "odc: rank ", rank_, ": allgather_coalesced got ",
+                outputs.size(), " output lists for ", inputs.size(), " inputs");
+    std::vector<WorkPtr> works;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      std::vector<std::vector<at::Tensor>> out{outputs[i]};
+      std::vector<at::Tensor> in{inputs[i]};
+      works.push_back(b.allgather(out, in, opts));
+    }
+    return c10::make_intrusive<CoalescedWork>(rank_, std::move(works));
+  });
 }
 
 WorkPtr OdcBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
-  return forward(deviceOf(inputs, "allgather_into_tensor_coalesced"), [&](c10d::Backend& b) {
-    return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  const auto device = deviceOf(inputs, "allgather_into_tensor_coalesced");
+  return forward(device, [&](c10d::Backend& b) -> WorkPtr {
+    if (!glooOnCuda(b, device)) return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+    TORCH_CHECK(outputs.size() == inputs.size(), "odc: rank ", rank_,
+                ": allgather_into_tensor_coalesced got ", outputs.size(), " outputs for ",
+                inputs.size(), " inputs");
+    std::vector<WorkPtr> works;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      auto& output = outputs[i];
+      auto& input = inputs[i];
+      if (output.is_contiguous() && input.is_contiguous() &&
+          output.numel() == size_ * input.numel()) {
+        // Flat views: the output's rank-ordered chunks are the inputs, whatever its shape (as
+        // NCCL fills it); Gloo's all-gather wants each chunk shaped as the input.
+        auto flat_output = output.view({output.numel()});
+        auto flat_input = input.view({input.numel()});
+        works.push_back(b._allgather_base(flat_output, flat_input, opts));
+      } else {
+        works.push_back(b._allgather_base(output, input, opts));
+      }
+    }
+    return c10::make_intrusive<CoalescedWork>(rank_, std::move(works));
   });
 }
 

@@ -821,15 +821,16 @@ def plot(results, path):
                              gridspec_kw={"height_ratios": heights})
     ax = axes[0]
     width = 0.8 / len(configs)
-    for i, cfg in enumerate(configs):
-        vals = [results["workloads"][w]["configs"][cfg]["tokens_per_s_per_gpu"] for w in workloads]
+    for i, cfg in enumerate(configs):  # a config run on some workloads only: no bar elsewhere
+        vals = [results["workloads"][w]["configs"].get(cfg, {}).get("tokens_per_s_per_gpu", 0.0)
+                for w in workloads]
         ax.bar(np.arange(len(workloads)) + i * width, vals, width, label=cfg)
     ax.set_xticks(np.arange(len(workloads)) + width * (len(configs) - 1) / 2, workloads)
     ax.set_ylabel("tokens/s per GPU")
     ax.legend()
     for ax, w in zip(axes[1:], workloads):  # one timeline per workload: ranks x configs
         y = 0
-        for cfg in configs:
+        for cfg in [c for c in configs if c in results["workloads"][w]["configs"]]:
             for rank, spans in enumerate(results["workloads"][w]["configs"][cfg]["timeline"]):
                 ax.broken_barh([(s, e - s) for s, e in spans or []], (y - 0.4, 0.8),
                                color=f"C{configs.index(cfg)}")

@@ -199,6 +199,9 @@ if has e2e; then
   # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
   # E2E_WORKLOADS / E2E_CONFIGS pick a subset (configs: nccl-micro odc-mini odc-micro, and
   # odc-mini-lazy: shards published at first all-gather, not up front).
+  # E2E_EXTRA: further WORKLOAD:CONFIG runs after those (e.g. "rl:odc-micro": ODC on the
+  # LB-Micro plan, the same microbatches per rank as FSDP2, to compare host gaps on one plan),
+  # merged into the same table; skipped like the others when the deadline is near.
   # E2E_MB: measured minibatches per run (default 4 at 4 sequences per rank, 1 above);
   # E2E_RL_PACK: the token cap of the rl-packed workload (RL sequences packed into varlen
   # microbatches, reported beside "rl"). With ODC_DEADLINE, a run is skipped when less than
@@ -229,19 +232,22 @@ if has e2e; then
   for spr in ${E2E_SPR:-$spr_default}; do
     mb=4; (( spr > 4 )) && mb=1; mb="${E2E_MB:-$mb}"
     parts=()
+    runs=()
     for w in ${E2E_WORKLOADS:-long-context rl rl-packed equal}; do
-      for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do
-        tag="p${spr}${mtag}_${w}_${c}"
-        if (( $(left) < e2e_run_s )); then
-          echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
-          rc=1; continue
-        fi
-        timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
-          --model "$model" ${E2E_OPT:+--optimizer "$E2E_OPT"} --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
-          --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
-          --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e${mtag}_${spr}spr.log"
-        if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi
-      done
+      for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do runs+=("$w:$c"); done
+    done
+    for wc in "${runs[@]}" ${E2E_EXTRA:-}; do
+      w=${wc%%:*}; c=${wc#*:}
+      tag="p${spr}${mtag}_${w}_${c}"
+      if (( $(left) < e2e_run_s )); then
+        echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
+        rc=1; continue
+      fi
+      timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
+        --model "$model" ${E2E_OPT:+--optimizer "$E2E_OPT"} --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
+        --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
+        --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e${mtag}_${spr}spr.log"
+      if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi
     done
     (( ${#parts[@]} )) && "$PY" benchmarks/bench_e2e.py --merge "${parts[@]}" --out "$OUT" \
       --tag "e2e_${model}_${gpus}gpu_${spr}spr${ptag}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"

@@ -122,6 +122,7 @@ class _KeyedAllGather(_fsdp2.AllGather):
 class _KeyedReduceScatter(_fsdp2.ReduceScatter):
     def __init__(self, handle: Handle, key: int):
         self._handle, self._key = handle, key
+        self._entry = handle._keys[key]
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(size, dtype=dtype, device=device)
@@ -142,7 +143,7 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
             handle._enter_minibatch()
         if group is not handle._group:
             raise RuntimeError(handle._wrong_group(self._key, "reduce-scatter", group))
-        key = handle._keys[self._key]
+        key = self._entry
         params = key.take_pushed_params(input_tensor.numel() // key.world)
         sets_grad = not key.hsdp or _fsdp2.sets_grad_after_reduce_scatter(key.unit)
         if key.hsdp and sets_grad:
@@ -179,6 +180,9 @@ class _Key:
             _fsdp2.padded_shard_numel(fp) if _fsdp2.trainable(fp) else 0 for fp in unit.params
         ]
         self.accum_offsets = [sum(self.grad_numels[:i]) for i in range(len(unit.params))]
+        # (index, FSDPParam) of the parameters with an accumulator span (fixed at attach).
+        self._trainable_params = [(i, fp) for i, fp in enumerate(unit.params)
+                                  if self.grad_numels[i]]
         self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
         self._pushed: set[int] = set()
         self._hooked: dict[int, tuple[int, object]] = {}  # param index -> (id, hook handle)
@@ -263,11 +267,11 @@ class _Key:
     def watch_grads(self) -> None:
         """Hooks every unsharded parameter (created by FSDP2 at its first all-gather, then
         reused) so that a gradient autograd accumulates into it is recorded."""
-        for index, fp in enumerate(self.unit.params):
-            param = _fsdp2.unsharded_param(fp)
+        watched = self._hooked
+        for index, param in enumerate(_fsdp2.unsharded_params(self.unit)):
             if param is None or not param.requires_grad:
                 continue
-            hooked = self._hooked.get(index)
+            hooked = watched.get(index)
             if hooked is not None and hooked[0] == id(param):
                 continue
             if hooked is not None:
@@ -299,7 +303,11 @@ class _Key:
     def _drop_fsdp_grad(self, index: int, param) -> None:
         t0 = perf_counter()
         if self.prior[index] is not _USER:
-            self.place_placeholder(index)
+            placeholder = self._placeholders[index]
+            if placeholder is None:
+                self.place_placeholder(index)
+            else:
+                _fsdp2.sharded_param(self.unit.params[index]).grad = placeholder
         self.clock.s += perf_counter() - t0
 
     def place_placeholder(self, index: int) -> None:
@@ -322,9 +330,10 @@ class _Key:
         """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
         kept from the last minibatch, none pushed in this one (e.g. zero_grad() after an
         evaluation forward that started the minibatch)."""
-        for index, fp in enumerate(self.unit.params):
-            if (self.grad_numels[index] and self.prior[index] is None
-                    and index not in self.reduced and _fsdp2.sharded_param(fp).grad is None):
+        prior, reduced = self.prior, self.reduced
+        for index, fp in self._trainable_params:
+            if (prior[index] is None and index not in reduced
+                    and _fsdp2.sharded_param(fp).grad is None):
                 self.place_placeholder(index)
 
     def dropped_grads(self) -> list[str]:
@@ -342,16 +351,18 @@ class _Key:
         placeholders, raising first where the user dropped a gradient ODC cannot drop (as
         dropped_grads, for these parameters)."""
         prior, reduced, fps = self.prior, self.reduced, self.unit.params
+        placeholders = self._placeholders
         grads = [_fsdp2.sharded_param(fps[i]).grad for i in params]
-        dropped = [_param_name(self.unit, i) for i, grad in zip(params, grads)
-                   if grad is None and prior[i] is not _USER
-                   and (prior[i] is not None or i in reduced)]
-        if dropped:
-            raise RuntimeError(_dropped_message(self._where(), dropped))
+        if any(grad is None for grad in grads):
+            dropped = [_param_name(self.unit, i) for i, grad in zip(params, grads)
+                       if grad is None and prior[i] is not _USER
+                       and (prior[i] is not None or i in reduced)]
+            if dropped:
+                raise RuntimeError(_dropped_message(self._where(), dropped))
+        reduced.update(params)
         for index, grad in zip(params, grads):
-            reduced.add(index)
-            if prior[index] is not _USER and grad is not None and (
-                    grad is self._placeholders[index] or _is_placeholder(grad)):
+            if grad is not None and prior[index] is not _USER and (
+                    grad is placeholders[index] or _is_placeholder(grad)):
                 _fsdp2.sharded_param(fps[index]).grad = None
 
     def span(self, index: int) -> torch.Tensor:
@@ -617,7 +628,10 @@ class Handle:
                 self._enter_minibatch()
             if self._publish_pending:
                 self._publish_pending = False
-                with torch.profiler.record_function("odc::publish_all"):
+                if _profiling():
+                    with torch.profiler.record_function("odc::publish_all"):
+                        self._publish_unpublished()
+                else:
                     self._publish_unpublished()
         finally:
             self._clock.s += perf_counter() - t0
@@ -862,7 +876,11 @@ def minibatch_barrier() -> None:
     all their microbatches since the previous barrier, as FSDP2 with gradient accumulation
     computes it. Call it on every rank, before ``optimizer.step()``.
     """
-    with torch.profiler.record_function("odc::minibatch_barrier"):
+    if _profiling():
+        with torch.profiler.record_function("odc::minibatch_barrier"):
+            for handle in _handles:
+                handle.barrier()
+    else:
         for handle in _handles:
             handle.barrier()
 

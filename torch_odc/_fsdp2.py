@@ -320,6 +320,11 @@ def unsharded_param(fp):
     return fp.__dict__.get("_unsharded_param")
 
 
+def unsharded_params(unit: Unit) -> list:
+    """`unsharded_param` of every parameter of the unit, in its order."""
+    return [fp.__dict__.get("_unsharded_param") for fp in unit.params]
+
+
 def reduce_scatter_order(unit: Unit):
     """Indices into `unit.params` in the order FSDP2 lays out the reduce-scatter input (a
     sequence owned by FSDP2 or the unit: the same object while the order stays the same; do not

@@ -3,12 +3,34 @@ launcher environment, and a model's parameters gathered whole."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
+
+# A one-process reference on a machine with several GPUs sees one: the Trainer wraps a model in
+# nn.DataParallel when one process sees several (and TRL's trainers refuse that).
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+@contextlib.contextmanager
+def environ(env: dict | None):
+    """`env` in this process's environment, inherited by the ranks it spawns (set before they
+    start, so before anything in them initializes CUDA), then restored."""
+    env = env or {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def set_rank_env(rank: int, world: int, port: int, env: dict | None = None) -> None:

@@ -17,7 +17,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
-from hf_helpers import OFFLINE, fixed_or_lb_mini, full_params, progressions, set_rank_env
+from hf_helpers import (
+    OFFLINE,
+    ONE_GPU,
+    environ,
+    fixed_or_lb_mini,
+    full_params,
+    progressions,
+    set_rank_env,
+)
 from multiproc import run_ranks
 
 WORLD = 2
@@ -168,8 +176,9 @@ def runs(kinds: tuple = tuple(KINDS), cuda: bool = False):
     # On one GPU the 2 ranks share it: the Trainer's own CUDA collectives (grad norm, loss
     # gather) go through Gloo, since NCCL refuses two ranks on one device.
     env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
-    reference = run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
-                          cuda=cuda)[0]
+    with environ(ONE_GPU if cuda else None):
+        reference = run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
+                              cuda=cuda)[0]
     odc = run_ranks(WORLD, _odc_ranks, list(kinds), cuda, timeout=600, cuda=cuda, env=env)
     return reference, odc
 

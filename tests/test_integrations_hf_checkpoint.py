@@ -22,7 +22,6 @@ On GPUs the same runs go over NCCL with one GPU per rank, or with 2 ranks sharin
 (``ODC_CUDA_COLLECTIVES=gloo``; NCCL refuses two ranks on one device): accelerate then does the
 FSDP2 wrapping itself. They skip without GPUs."""
 
-import contextlib
 import functools
 import json
 import os
@@ -38,7 +37,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from hf_helpers import fixed_or_lb_mini, full_params, progressions, set_rank_env
+from hf_helpers import environ, fixed_or_lb_mini, full_params, progressions, set_rank_env
 from multiproc import run_ranks
 from test_integrations_hf import build_model, collate, tokenizer
 
@@ -124,21 +123,6 @@ def _train(rank, world, output_dir, state_dict_type, cuda, resume_from, extra):
             "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-"))}
 
 
-@contextlib.contextmanager
-def _environ(env: dict):
-    """`env` in this process's environment (inherited by the ranks it spawns), then restored."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @functools.cache
 def runs(state_dict_type: str, cuda: str = ""):
     """(uninterrupted, resumed, uninterrupted dir, resumed dir) for one state dict type; cuda
@@ -150,7 +134,7 @@ def runs(state_dict_type: str, cuda: str = ""):
     first = tempfile.mkdtemp(prefix="odc-hf-ckpt-")
     second = tempfile.mkdtemp(prefix="odc-hf-resume-")
     kw = {"timeout": 600, "cuda": bool(cuda)}
-    with _environ(env):
+    with environ(env):
         whole = run_ranks(WORLD, _train, first, state_dict_type, bool(cuda), None, {}, **kw)
         # The resumed run works in its own output directory holding a copy of checkpoint-3:
         # at step 6 it saves checkpoint-6 and save_total_limit=1 removes checkpoint-3.

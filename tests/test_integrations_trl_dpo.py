@@ -26,7 +26,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
-from hf_helpers import full_params, set_rank_env
+from hf_helpers import ONE_GPU, environ, full_params, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -268,8 +268,9 @@ def runs(cases: tuple = tuple(CASES), cuda: bool = False):
     # On one GPU the 2 ranks share it: the trainer's own CUDA collectives (grad norm, loss and
     # precompute gathers) go through Gloo, since NCCL refuses two ranks on one device.
     env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
-    reference = run_ranks(1, _reference, list(cases), cuda, backend="gloo", timeout=600,
-                          cuda=cuda)[0]
+    with environ(ONE_GPU if cuda else None):
+        reference = run_ranks(1, _reference, list(cases), cuda, backend="gloo", timeout=600,
+                              cuda=cuda)[0]
     with tempfile.TemporaryDirectory(prefix="odc-dpo-data-") as tmp:
         odc = run_ranks(WORLD, _odc_ranks, list(cases), os.path.join(tmp, "pairs"), cuda,
                         timeout=600, cuda=cuda, env=env)

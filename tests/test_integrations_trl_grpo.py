@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 
-from hf_helpers import full_params, set_rank_env
+from hf_helpers import ONE_GPU, environ, full_params, set_rank_env
 from multiproc import run_ranks
 
 WORLD = 2
@@ -316,8 +316,9 @@ def gpu_runs():
     itself there; the trainer's few CUDA collectives and the rollout exchange go through Gloo
     (ODC_CUDA_COLLECTIVES=gloo: NCCL refuses two ranks on one device)."""
     path = model_dir()
-    reference = run_ranks(1, _one_process, GPU_CASES, path, True, backend="gloo", timeout=600,
-                          cuda=True)[0]
+    with environ(ONE_GPU):
+        reference = run_ranks(1, _one_process, GPU_CASES, path, True, backend="gloo",
+                              timeout=600, cuda=True)[0]
     odc = run_ranks(WORLD, _odc_ranks, GPU_CASES, path, True, timeout=900, cuda=True,
                     env={"ODC_CUDA_COLLECTIVES": "gloo"})
     return reference, odc

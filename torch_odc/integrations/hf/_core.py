@@ -283,6 +283,12 @@ class _WithPlugin:
         return getattr(self._state, name)
 
 
+def _off_local_rank_device(accelerator) -> bool:
+    """Whether this rank's GPU is not ``cuda:<local rank>`` (ranks sharing one GPU)."""
+    return (torch.cuda.is_available() and torch.cuda.is_initialized()
+            and torch.cuda.current_device() != accelerator.local_process_index)
+
+
 class _AcceleratorWithPlugin:
     """The Accelerator as accelerate's FSDP2 functions (``fsdp2_prepare_model``, the FSDP
     checkpoint functions) read it, with the FSDP plugin that accelerate's CPU state does not
@@ -296,6 +302,15 @@ class _AcceleratorWithPlugin:
 
     def __getattr__(self, name):
         return getattr(self._accelerator, name)
+
+    def wait_for_everyone(self):
+        """accelerate's barrier names the device ``cuda:<local rank>``; ranks sharing one GPU
+        (a test layout: NCCL refuses it) are all on another device: the barrier runs on the
+        device this rank is on."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            self._accelerator.wait_for_everyone()
 
 
 class ODCTrainerMixin:
@@ -512,9 +527,10 @@ class ODCTrainerMixin:
         """The accelerator for accelerate's FSDP checkpoint functions: on CPU ranks one that
         says FSDP2 (``load_fsdp_model`` otherwise returns early on every rank but 0, leaving
         the others in their next collective)."""
-        if getattr(self.accelerator.state, "fsdp_plugin", None) is not None:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and not _off_local_rank_device(self.accelerator):
             return self.accelerator
-        return _AcceleratorWithPlugin(self.accelerator, self.odc_fsdp_plugin)
+        return _AcceleratorWithPlugin(self.accelerator, plugin or self.odc_fsdp_plugin)
 
     def _odc_check_save_point(self, what: str) -> None:
         """Refuses a checkpoint between this rank's first microbatch of an optimizer step and

@@ -135,6 +135,11 @@ def _functional_all_gathers(rank, world, device):
               torch.full((1, 2), 10.0 + rank, device=dev)]
     outs = [t.wait() if hasattr(t, "wait") else t
             for t in funcol.all_gather_into_tensor_coalesced(inputs, dist.group.WORLD)]
+    # accelerate's gather (TRL's reward gather): a (n, 1) input into a flat output, NCCL's rule.
+    column = torch.full((4, 1), 20.0 + rank, device=dev)
+    flat = torch.empty(world * 4, device=dev)
+    dist.all_gather_into_tensor(flat, column)
+    outs.append(flat)
     return whole.cpu(), full.cpu(), [o.cpu() for o in outs]
 
 
@@ -142,7 +147,8 @@ def _functional_all_gathers(rank, world, device):
 def test_functional_all_gathers_and_full_tensor(device):
     """On CUDA tensors with ODC_CUDA_COLLECTIVES=gloo (ranks sharing a GPU: NCCL refuses them),
     Gloo's own coalesced all-gathers have no CUDA path (pytorch/pytorch#152645: a SIGSEGV);
-    odc runs them as one Gloo all-gather per tensor. The same calls on CPU ranks."""
+    odc runs them as one Gloo all-gather per tensor; accelerate's gather into a flat output (which
+    Gloo's shape check refuses) runs as flat views. The same calls on CPU ranks."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     world = 2
@@ -153,3 +159,4 @@ def test_functional_all_gathers_and_full_tensor(device):
         assert outs[0].tolist() == [float(r) for r in range(world) for _ in range(3)]
         assert outs[1].shape == (world, 2)
         assert outs[1].tolist() == [[10.0 + r] * 2 for r in range(world)]
+        assert outs[2].tolist() == [20.0 + r for r in range(world) for _ in range(4)]

@@ -295,18 +295,20 @@ WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
     keyedAllgather(*held, call.key, output, input, call.publish_only);
     return keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input);
   }
-  if (input.device().is_cpu() && input.is_contiguous() && output.is_contiguous() &&
+  if (input.is_contiguous() && output.is_contiguous() &&
       output.numel() == size_ * input.numel() &&
       (input.dim() == 0 || output.dim() != input.dim() ||
        output.sizes().slice(1) != input.sizes().slice(1))) {
     // all_gather_into_tensor takes any output holding world_size x input.numel() elements on
     // NCCL; Gloo wants the output shaped (world_size * input.size(0), *input.shape[1:]). Callers
     // that pick their code path by backend name (accelerate's gather: the flat output for every
-    // backend but "gloo") rely on NCCL's rule: run contiguous CPU tensors as flat views, which
-    // fills the output exactly as NCCL does. Anything else goes to Gloo as is (and its checks).
+    // backend but "gloo") rely on NCCL's rule: run contiguous tensors as flat views, which
+    // fills the output exactly as NCCL does (CPU tensors, and CUDA tensors on a Gloo inner
+    // backend: ranks sharing a GPU; to NCCL a flat view is the same buffer). Anything else goes
+    // to the inner backend as is (and its checks).
     auto flat_output = output.view({output.numel()});
     auto flat_input = input.view({input.numel()});
-    return forward(c10::DeviceType::CPU, [&](c10d::Backend& b) {
+    return forward(input.device().type(), [&](c10d::Backend& b) {
       return b._allgather_base(flat_output, flat_input, opts);
     });
   }

@@ -295,8 +295,7 @@ WorkPtr OdcBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
     keyedAllgather(*held, call.key, output, input, call.publish_only);
     return keyedWork(c10d::OpType::_ALLGATHER_BASE, output, input);
   }
-  if (input.is_contiguous() && output.is_contiguous() &&
-      output.numel() == size_ * input.numel() &&
+  if (input.is_contiguous() && output.is_contiguous() && output.numel() == size_ * input.numel() &&
       (input.dim() == 0 || output.dim() != input.dim() ||
        output.sizes().slice(1) != input.sizes().slice(1))) {
     // all_gather_into_tensor takes any output holding world_size x input.numel() elements on

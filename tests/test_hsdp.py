@@ -214,6 +214,38 @@ def _check_cuda_collectives_choices(rank, got):
     assert "ranks [0, 1] and [2, 3] of the process group of ranks [0, 1, 2, 3]" in caught[0]
 
 
+def _auto_choice_with_a_rank_missing(rank, world):
+    """Rank 0 makes a group's first CUDA collective choice (ODC_CUDA_COLLECTIVES=auto) with a
+    2 s timeout; rank 1 never does. Returns rank 0's error and how long it took to come."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from torch_odc import _backend
+
+    out = None
+    if rank == 0:
+        store = dist.PrefixStore("lonely/", dist.distributed_c10d._get_default_store())
+        t0 = time.perf_counter()
+        try:
+            _backend._cuda_collectives_for(store, 0, 2, [0, 1], "GPU-0",
+                                           datetime.timedelta(seconds=2))
+        except RuntimeError as exc:
+            out = (str(exc), time.perf_counter() - t0)
+    dist.barrier()  # rank 1 stays until rank 0 is done
+    return out
+
+
+def test_auto_choice_names_the_ranks_that_never_come():
+    """A group's first CUDA collective waits for every rank of the group (auto asks each for its
+    GPU) at most the group's timeout, then names the ranks that did not come."""
+    message, took = run_ranks(2, _auto_choice_with_a_rank_missing)[0]
+    assert "rank 0: the process group of ranks [0, 1]" in message, message
+    assert "ranks [1] made no CUDA collective of this group within 0:00:02" in message, message
+    assert "ODC_CUDA_COLLECTIVES=nccl or =gloo" in message, message
+    assert 1.5 < took < 30, took
+
+
 def test_an_unknown_inner_backend_choice_is_refused(monkeypatch):
     from torch_odc import _backend
 

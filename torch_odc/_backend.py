@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -28,17 +30,36 @@ def _cuda_collectives_mode() -> str:
     return mode
 
 
-def _cuda_collectives_for(store, rank: int, size: int, ranks: list[int], device: str) -> str:
+def _cuda_collectives_for(store, rank: int, size: int, ranks: list[int], device: str,
+                          timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> str:
     """ODC_CUDA_COLLECTIVES=auto: "nccl", or "gloo" where two ranks of the group are on one GPU
     (NCCL refuses two ranks of a communicator on one device). Collective over the group through
     its store: every rank publishes its device (`device`, a GPU UUID) and reads the others', so
-    every rank of the group decides the same."""
+    every rank of the group decides the same. Waits at most `timeout` (the group's) for the
+    others, then raises naming the ranks that did not come."""
     import warnings
 
+    ranks = list(ranks) if len(ranks) == size else list(range(size))  # global ranks
     placement = dist.PrefixStore("odc/cuda-device/", store)
     placement.set(str(rank), device)
+    others = [str(r) for r in range(size) if r != rank]
+    try:
+        if others:
+            placement.wait(others, timeout)
+    except Exception as exc:  # the store's timeout (DistStoreError) or a dead store
+        try:
+            missing = [ranks[int(r)] for r in others if not placement.check([r])]
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            missing = "unknown (the store did not answer)"
+        raise RuntimeError(
+            f"torch_odc: rank {ranks[rank]}: the process group of ranks {ranks} ran its first "
+            "CUDA collective, which picks its inner backend from every rank's GPU "
+            "(ODC_CUDA_COLLECTIVES=auto: NCCL, or Gloo where two ranks share a GPU), and ranks "
+            f"{missing} made no CUDA collective of this group within {timeout}. Every rank of a "
+            "group makes its first CUDA collective together (as NCCL's own first one needs), "
+            "or set ODC_CUDA_COLLECTIVES=nccl or =gloo to choose without asking the others."
+        ) from exc
     devices = [device if r == rank else placement.get(str(r)).decode() for r in range(size)]
-    ranks = list(ranks) if len(ranks) == size else list(range(size))  # global ranks
     by_device: dict[str, list[int]] = {}
     for r, d in enumerate(devices):
         by_device.setdefault(d, []).append(ranks[r])
@@ -89,7 +110,7 @@ def _cuda_factory(store, rank: int, size: int, timeout, ranks: list[int]):
 
     def auto():
         device = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        choice = _cuda_collectives_for(store, rank, size, ranks, device)
+        choice = _cuda_collectives_for(store, rank, size, ranks, device, timeout)
         return gloo() if choice == "gloo" else nccl()
 
     return auto

@@ -556,10 +556,7 @@ def dry_plan(args):
     for w in args.workloads:
         pack = pack_tokens_of(w, args)
         cost = time_cost(fit, n_params, layers, dim, pack)
-        rng = np.random.default_rng(1234)
-        lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
-                                  * args.length_scale).astype(np.int64))
-                   for _ in range(n_minibatches)]
+        lengths = workload_lengths(w, args, world, n_minibatches)
         span = {m: [plans(x, world, m, cost, pack).makespan for x in lengths]
                 for m in ("micro", "mini")}
         measured = lengths[args.warmup:-1]
@@ -612,6 +609,15 @@ def memory_vs_reference(entry) -> dict:
             row["held_b_per_param"] = (odc - fsdp) / numel
         out[cfg] = row
     return out
+
+
+def workload_lengths(workload: str, args, world: int, n_minibatches: int) -> list:
+    """The sequence lengths of every minibatch of a run (warmup, measured, profiled), seeded:
+    the same for every configuration and for --dry-plan."""
+    rng = np.random.default_rng(1234)
+    return [np.maximum(2, (WORKLOADS[workload](rng, args.seqs_per_rank * world)
+                           * args.length_scale).astype(np.int64))
+            for _ in range(n_minibatches)]
 
 
 def pack_tokens_of(workload: str, args) -> int:
@@ -1009,10 +1015,7 @@ def main():
         # The planner's cost per workload: a packed sequence pays its token share of the floor.
         pack = pack_tokens_of(w, args)
         cost = time_cost(fit, n_params, layers, dim, pack)
-        rng = np.random.default_rng(1234)
-        lengths = [np.maximum(2, (WORKLOADS[w](rng, args.seqs_per_rank * world)
-                                  * args.length_scale).astype(np.int64))
-                   for _ in range(n_minibatches)]
+        lengths = workload_lengths(w, args, world, n_minibatches)
         measured = lengths[args.warmup:-1]
         entry = {"configs": {}}
         for cfg in configs:

@@ -80,3 +80,20 @@ def fixed_or_lb_mini(fixed_plans: dict, lengths, world: int, step: int, cap: int
     from torch_odc import balance
 
     return balance.plan(lengths, world, cap, mode="mini").microbatches
+
+
+def assert_params_match(want: dict, out: dict, initial: dict, rank: int, atol: float,
+                        trainable=None) -> None:
+    """Every parameter of `out` within `atol` of the reference's (`want`); those outside
+    `trainable` (when given) not moved from `initial`; and training moved the parameters by
+    far more than `atol` (else the comparison would be weak)."""
+    moved = 0.0
+    for name, ref in want["params"].items():
+        got = out["params"][name]
+        torch.testing.assert_close(got, ref, rtol=0, atol=atol,
+                                   msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        if trainable is None or name in trainable:
+            moved = max(moved, (ref - initial[name].detach()).abs().max().item())
+        else:
+            assert torch.equal(got, initial[name]), f"rank {rank}: frozen {name} moved"
+    assert moved > 100 * atol, "training barely moved the parameters: the check is weak"

@@ -625,6 +625,22 @@ def pack_tokens_of(workload: str, args) -> int:
     return args.rl_pack_tokens if workload == "rl-packed" else args.pack_tokens
 
 
+def config_base(cfg: str) -> str:
+    """The configuration a config label runs: "odc-mini" of "odc-mini#2" (a repeat) and of
+    "odc-mini@ODC_CUDA_CTAS=32" (ODC with environment settings for that run only)."""
+    return cfg.split("#")[0].split("@")[0]
+
+
+def config_env(cfg: str) -> dict:
+    """The environment settings of a config label ("odc-mini@ODC_CUDA_CTAS=32,ODC_X=1"): set
+    for that run only, before its model attaches (the transport reads them when it is made)."""
+    _, _, env = cfg.split("#")[0].partition("@")
+    pairs = [kv.split("=", 1) for kv in env.split(",") if kv]
+    if any(len(kv) != 2 or not kv[0].startswith("ODC_") for kv in pairs):
+        raise SystemExit(f"config {cfg!r}: settings after '@' are ODC_NAME=VALUE pairs")
+    return dict(pairs)
+
+
 def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cost, pack=None):
     pack = args.pack_tokens if pack is None else pack
     vocab = MODELS[args.model][5]
@@ -863,7 +879,7 @@ def write_results(results, out, tag):
     with open(os.path.join(out, tag + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
-    print(f"\n{'workload':<13}{'config':<15}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
+    print(f"\n{'workload':<13}{'config':<27}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
           f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
           "  planner micro/mini (speedup / planner)")
     for w, entry in results["workloads"].items():
@@ -871,9 +887,9 @@ def write_results(results, out, tag):
         for cfg, s in entry["configs"].items():
             mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "-"
             peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
-            bound = entry.get("plan_idle_bound", {}).get(cfg.split("#")[0].split("-")[1])
+            bound = entry.get("plan_idle_bound", {}).get(config_base(cfg).split("-")[1])
             bound = f"{bound['profiled_minibatch']:.1%}" if bound else "-"
-            print(f"{w:<13}{cfg:<15}{s['tokens_per_s_per_gpu']:>10.0f}"
+            print(f"{w:<13}{cfg:<27}{s['tokens_per_s_per_gpu']:>10.0f}"
                   f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
                   f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
                   f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "
@@ -925,7 +941,10 @@ def main():
                    help="build on the meta device and initialize each rank's shards after "
                         "fully_shard (always for 7b; no full copy of the weights anywhere)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"])
+    p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"],
+                   help="nccl-micro, odc-mini, odc-micro, odc-mini-lazy; a suffix "
+                        "@ODC_NAME=VALUE[,...] runs that config with those settings (e.g. "
+                        "odc-mini@ODC_CUDA_CTAS=32: the transport's thread blocks per operation)")
     p.add_argument("--seqs-per-rank", type=int, default=4)
     p.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("REPLICAS", "SHARDS"),
                    help="HSDP over a (replicas x shards) mesh: ODC inside each shard group and "
@@ -980,6 +999,7 @@ def main():
     nccl_group = dist.new_group(backend=ref_backend)
     configs = []  # a repeated config (to expose order effects) gets a "#2" suffix
     for c in args.configs:
+        config_env(c)  # a malformed label fails here, before any run
         c = c.replace("nccl", ref_backend) if args.device == "cpu" else c
         configs.append(c if c not in configs else f"{c}#{sum(x.split('#')[0] == c for x in configs) + 1}")
     dim, layers = MODELS[args.model][0], MODELS[args.model][1]
@@ -1019,8 +1039,18 @@ def main():
         measured = lengths[args.warmup:-1]
         entry = {"configs": {}}
         for cfg in configs:
-            out = run_config(cfg.split("#")[0], args, device, world, rank, lengths, nccl_group,
-                             cost, pack)
+            env = config_env(cfg)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                out = run_config(config_base(cfg), args, device, world, rank, lengths,
+                                 nccl_group, cost, pack)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:

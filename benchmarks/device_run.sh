@@ -198,7 +198,8 @@ if has e2e; then
   # ~6 and ~8 min on 4 H200, so split them over two calls). E2E_PACK=N packs sequences into
   # microbatches of up to N tokens (document-causal varlen attention); default 1 = one each.
   # E2E_WORKLOADS / E2E_CONFIGS pick a subset (configs: nccl-micro odc-mini odc-micro, and
-  # odc-mini-lazy: shards published at first all-gather, not up front).
+  # odc-mini-lazy: shards published at first all-gather, not up front; a suffix
+  # @ODC_NAME=VALUE[,...] runs a config with those settings, e.g. odc-mini@ODC_CUDA_CTAS=32).
   # E2E_EXTRA: further WORKLOAD:CONFIG runs after those (e.g. "rl:odc-micro": ODC on the
   # LB-Micro plan, the same microbatches per rank as FSDP2, to compare host gaps on one plan),
   # merged into the same table; skipped like the others when the deadline is near.
@@ -238,7 +239,7 @@ if has e2e; then
     done
     for wc in "${runs[@]}" ${E2E_EXTRA:-}; do
       w=${wc%%:*}; c=${wc#*:}
-      tag="p${spr}${mtag}_${w}_${c}"
+      tag="p${spr}${mtag}_${w}_${c//[@=,]/_}"
       if (( $(left) < e2e_run_s )); then
         echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
         rc=1; continue

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_e2e import MODELS, Llama
+from bench_e2e import MODELS, Llama, config_base, config_env
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -225,3 +225,14 @@ def test_memory_vs_reference_per_sharded_parameter():
     assert got["peak_b_per_param"] == (6 * n + 100) / n
     assert got["held_b_per_param"] == (2 * n + 100) / n
     assert got["region_minus_fp32_grad_b_per_param"] == (2 * n + 100) / n
+
+
+def test_config_labels_with_settings():
+    assert config_base("odc-mini@ODC_CUDA_CTAS=32#2") == "odc-mini"
+    assert config_base("nccl-micro") == "nccl-micro"
+    assert config_env("odc-mini@ODC_CUDA_CTAS=32,ODC_CUDA_FUSED=0#2") == {
+        "ODC_CUDA_CTAS": "32", "ODC_CUDA_FUSED": "0"}
+    assert config_env("odc-mini") == {}
+    for bad in ("odc-mini@CTAS=32", "odc-mini@ODC_CUDA_CTAS"):
+        with pytest.raises(SystemExit, match="ODC_NAME=VALUE"):
+            config_env(bad)

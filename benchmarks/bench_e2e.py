@@ -919,13 +919,17 @@ def merge(paths, out, tag):
             merged = {k: v for k, v in part.items() if k != "workloads"}
             merged["workloads"], merged["configs"], merged["commands"] = {}, [], []
         merged["commands"].append(part["environment"]["command"])
-        for cfg in part["configs"]:
-            if cfg not in merged["configs"]:
-                merged["configs"].append(cfg)
         for w, entry in part["workloads"].items():
             into = merged["workloads"].setdefault(w, {k: v for k, v in entry.items()
                                                       if k != "configs"} | {"configs": {}})
-            into["configs"].update(entry["configs"])
+            for cfg, summary in entry["configs"].items():
+                label, n = cfg, 1  # a repeated run of a config: "#2", "#3", ... in run order
+                while label in into["configs"]:
+                    n += 1
+                    label = f"{cfg.split('#')[0]}#{n}"
+                into["configs"][label] = summary
+                if label not in merged["configs"]:
+                    merged["configs"].append(label)
     merged["environment"]["command"] = "; ".join(merged.pop("commands"))
     write_results(merged, out, tag)
 

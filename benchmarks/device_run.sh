@@ -201,7 +201,8 @@ if has e2e; then
   # odc-mini-lazy: shards published at first all-gather, not up front; a suffix
   # @ODC_NAME=VALUE[,...] runs a config with those settings, e.g. odc-mini@ODC_CUDA_CTAS=32).
   # E2E_EXTRA: further WORKLOAD:CONFIG runs after those (e.g. "rl:odc-micro": ODC on the
-  # LB-Micro plan, the same microbatches per rank as FSDP2, to compare host gaps on one plan),
+  # LB-Micro plan, the same microbatches per rank as FSDP2, to compare host gaps on one plan;
+  # a pair given again runs again, reported as CONFIG#2, ...),
   # merged into the same table; skipped like the others when the deadline is near.
   # E2E_MB: measured minibatches per run (default 4 at 4 sequences per rank, 1 above);
   # E2E_RL_PACK: the token cap of the rl-packed workload (RL sequences packed into varlen
@@ -237,9 +238,12 @@ if has e2e; then
     for w in ${E2E_WORKLOADS:-long-context rl rl-packed equal}; do
       for c in ${E2E_CONFIGS:-nccl-micro odc-mini odc-micro}; do runs+=("$w:$c"); done
     done
+    declare -A seen=()
     for wc in "${runs[@]}" ${E2E_EXTRA:-}; do
       w=${wc%%:*}; c=${wc#*:}
       tag="p${spr}${mtag}_${w}_${c//[@=,]/_}"
+      # a repeated WORKLOAD:CONFIG (run-to-run variation) gets its own file: _r2, _r3, ...
+      seen[$tag]=$(( ${seen[$tag]:-0} + 1 )); (( seen[$tag] > 1 )) && tag="${tag}_r${seen[$tag]}"
       if (( $(left) < e2e_run_s )); then
         echo "skipped $tag: $(left) s left before the deadline" | tee -a "$OUT/bench_e2e${mtag}_${spr}spr.log"
         rc=1; continue

@@ -271,26 +271,37 @@ if has sanitize; then
   # The ODC primitive flow (torchrun, no FSDP) and FSDP2 + attach (spawned ranks), 2 GPUs, no
   # NCCL in the processes. With 4 GPUs memcheck and racecheck run at once on separate pairs,
   # within what is left of SANITIZE_DEADLINE seconds since this script started (default 570).
+  # SANITIZE_TOOLS (default "memcheck racecheck") and SANITIZE_FLOWS (default "primitive fsdp")
+  # pick a subset, e.g. SANITIZE_TOOLS=racecheck SANITIZE_FLOWS=fsdp for the longest one alone.
+  flows="${SANITIZE_FLOWS:-primitive fsdp}"
   sanitize() {  # tool, visible devices, torchrun port
-    local left=$(( ${SANITIZE_DEADLINE:-570} - SECONDS ))
-    CUDA_VISIBLE_DEVICES=$2 timeout $(( left * 2 / 5 )) compute-sanitizer --tool "$1" \
-      --target-processes all --error-exitcode 9 torchrun --master-port "$3" --nproc-per-node=2 \
-      tests/sanitizer_flow.py > "$OUT/sanitizer_$1.log" 2>&1 || echo "$1 primitive flow: rc=$?"
-    left=$(( ${SANITIZE_DEADLINE:-570} - SECONDS ))
-    CUDA_VISIBLE_DEVICES=$2 timeout "$left" compute-sanitizer --tool "$1" \
-      --target-processes all --error-exitcode 9 "$PY" tests/sanitizer_fsdp_flow.py \
-      > "$OUT/sanitizer_fsdp_$1.log" 2>&1 || echo "$1 FSDP flow: rc=$?"
+    local left; left=$(capped $(( ${SANITIZE_DEADLINE:-570} - SECONDS )))
+    if [[ " $flows " == *" primitive "* ]]; then
+      local share=$left; [[ " $flows " == *" fsdp "* ]] && share=$(( left * 2 / 5 ))
+      CUDA_VISIBLE_DEVICES=$2 timeout "$share" compute-sanitizer --tool "$1" \
+        --target-processes all --error-exitcode 9 torchrun --master-port "$3" --nproc-per-node=2 \
+        tests/sanitizer_flow.py > "$OUT/sanitizer_$1.log" 2>&1 || echo "$1 primitive flow: rc=$?"
+    fi
+    left=$(capped $(( ${SANITIZE_DEADLINE:-570} - SECONDS )))
+    if [[ " $flows " == *" fsdp "* ]]; then
+      CUDA_VISIBLE_DEVICES=$2 timeout "$left" compute-sanitizer --tool "$1" \
+        --target-processes all --error-exitcode 9 "$PY" tests/sanitizer_fsdp_flow.py \
+        > "$OUT/sanitizer_fsdp_$1.log" 2>&1 || echo "$1 FSDP flow: rc=$?"
+    fi
   }
-  if (( gpus >= 4 )); then
-    sanitize memcheck 0,1 29511 > /tmp/sanitize_memcheck.rc &
-    sanitize racecheck 2,3 29512 > /tmp/sanitize_racecheck.rc &
+  tools=(${SANITIZE_TOOLS:-memcheck racecheck}); rm -f /tmp/sanitize_*.rc
+  if (( gpus >= 4 && ${#tools[@]} == 2 )); then
+    sanitize "${tools[0]}" 0,1 29511 > "/tmp/sanitize_${tools[0]}.rc" &
+    sanitize "${tools[1]}" 2,3 29512 > "/tmp/sanitize_${tools[1]}.rc" &
     wait
   else
-    sanitize memcheck 0,1 29511 > /tmp/sanitize_memcheck.rc
-    sanitize racecheck 0,1 29512 > /tmp/sanitize_racecheck.rc
+    port=29511
+    for tool in "${tools[@]}"; do
+      sanitize "$tool" 0,1 "$port" > "/tmp/sanitize_$tool.rc"; port=$(( port + 1 ))
+    done
   fi
   echo "sanitize finished after ${SECONDS}s"
-  cat /tmp/sanitize_*.rc; [[ -s /tmp/sanitize_memcheck.rc || -s /tmp/sanitize_racecheck.rc ]] && rc=1
+  for f in /tmp/sanitize_*.rc; do [[ -s $f ]] && { cat "$f"; rc=1; }; done
   grep -E "SUMMARY|ok|max|done" "$OUT"/sanitizer_*.log
 fi
 exit $rc

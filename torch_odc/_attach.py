@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from itertools import repeat
 from operator import is_
 from time import perf_counter
 
@@ -190,7 +189,6 @@ class _Key:
         # (index, FSDPParam) of the parameters with an accumulator span (fixed at attach).
         self._trainable_params = [(i, fp) for i, fp in enumerate(unit.params)
                                   if self.grad_numels[i]]
-        self._trainable_fps = [fp for _, fp in self._trainable_params]
         self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
         self._pushed: set[int] = set()
         self._hooked: dict[int, tuple[int, object]] = {}  # param index -> (id, hook handle)
@@ -288,7 +286,7 @@ class _Key:
         params = _fsdp2.unsharded_params(self.unit)
         last = self._watched
         if (last is not None and all(map(is_, params, last[0]))
-                and not any(p.requires_grad for p in last[1])):
+                and not (last[1] and any(p.requires_grad for p in last[1]))):
             return
         self._watched = (params, [p for p in params if p is not None and not p.requires_grad])
         watched = self._hooked
@@ -358,12 +356,10 @@ class _Key:
         """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
         kept from the last minibatch, none pushed in this one (e.g. zero_grad() after an
         evaluation forward that started the minibatch)."""
-        grads = _fsdp2.sharded_grads(self._trainable_fps)
-        if not any(map(is_, grads, repeat(None))):
-            return  # the common case: every .grad holds something
         prior, reduced = self.prior, self.reduced
-        for (index, _), grad in zip(self._trainable_params, grads):
-            if grad is None and prior[index] is None and index not in reduced:
+        for index, fp in self._trainable_params:
+            if (prior[index] is None and index not in reduced
+                    and _fsdp2.sharded_param(fp).grad is None):
                 self.place_placeholder(index)
 
     def dropped_grads(self) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from operator import is_
 from time import perf_counter
 
 import torch
@@ -29,6 +30,9 @@ _DTYPE_NAMES = {
 _handles: list[Handle] = []
 # HSDP: the accumulators are all-reduced across replicas in buckets of at most this size.
 _REPLICA_BUCKET_BYTES = 256 << 20
+# The params argument of a push of every trainable parameter in key order (the C++ side uses the
+# runs merged at connect for it); never modified.
+_ALL_PARAMS: list = []
 
 
 class _NoGradBeforeBarrier(torch.Tensor):
@@ -146,7 +150,7 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         key = self._entry
         params = key.take_pushed_params(input_tensor.numel() // key.world)
         sets_grad = not key.hsdp or _fsdp2.sets_grad_after_reduce_scatter(key.unit)
-        if key.hsdp and sets_grad:
+        if sets_grad and key.hsdp:
             raise RuntimeError(
                 f"torch_odc: {handle._where()}: FSDP2's per-microbatch all-reduce across "
                 f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
@@ -161,6 +165,8 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
         # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
         scale = key.push_scale(input_tensor.dtype)
+        if params is key._all_trainable and key._all_in_key_order:
+            params = _ALL_PARAMS  # the same push, without converting the list
         return handle._backend._keyed_reduce_scatter(
             self._key, output_tensor, input_tensor, op, params, scale, async_op)
 
@@ -208,6 +214,14 @@ class _Key:
         self._all_trainable: list[int] = []
         self._all_trainable_set: set[int] = set()
         self._all_numel = 0
+        self._all_in_key_order = False  # _all_trainable is every trainable index, ascending
+        self._all_fps: list = []  # the FSDPParams of _all_trainable
+        self._all_placeholders: list | None = None  # theirs, once all made (else None)
+        # Whether some prior is _USER (set where prior changes): the fast paths skip it.
+        self.any_user = False
+        # watch_grads: the unsharded parameters at its last full pass, and those of them it
+        # left unhooked because they did not require grad (None: no pass yet).
+        self._watched: tuple | None = None
 
     def set_accumulator(self, accumulator: torch.Tensor | None) -> None:
         self.accumulator = accumulator
@@ -266,9 +280,17 @@ class _Key:
 
     def watch_grads(self) -> None:
         """Hooks every unsharded parameter (created by FSDP2 at its first all-gather, then
-        reused) so that a gradient autograd accumulates into it is recorded."""
+        reused) so that a gradient autograd accumulates into it is recorded. Nothing to do
+        when they are the objects of its last pass and none it left unhooked for not requiring
+        grad requires it now."""
+        params = _fsdp2.unsharded_params(self.unit)
+        last = self._watched
+        if (last is not None and all(map(is_, params, last[0]))
+                and not (last[1] and any(p.requires_grad for p in last[1]))):
+            return
+        self._watched = (params, [p for p in params if p is not None and not p.requires_grad])
         watched = self._hooked
-        for index, param in enumerate(_fsdp2.unsharded_params(self.unit)):
+        for index, param in enumerate(params):
             if param is None or not param.requires_grad:
                 continue
             hooked = watched.get(index)
@@ -284,6 +306,7 @@ class _Key:
         for _, handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
+        self._watched = None
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks.clear()
@@ -301,13 +324,14 @@ class _Key:
                 lambda p, i=index: self._drop_fsdp_grad(i, p)))
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
+        # `param` is the sharded parameter FSDP2 calls the hook with (its ``sharded_param``).
         t0 = perf_counter()
         if self.prior[index] is not _USER:
             placeholder = self._placeholders[index]
             if placeholder is None:
                 self.place_placeholder(index)
             else:
-                _fsdp2.sharded_param(self.unit.params[index]).grad = placeholder
+                param.grad = placeholder
         self.clock.s += perf_counter() - t0
 
     def place_placeholder(self, index: int) -> None:
@@ -320,11 +344,13 @@ class _Key:
             placeholder = self._placeholders[index] = _fsdp2.sharded_dtensor(
                 fp, _NoGradBeforeBarrier(size, stride, dtype, device,
                                          _param_name(self.unit, index), self._where))
+            self._all_placeholders = None
         _fsdp2.sharded_param(fp).grad = placeholder
 
     def forget_placeholders(self) -> None:
         """Drops the cached placeholders (FSDP2's lazy init may change the gradient dtype)."""
         self._placeholders = [None] * len(self.unit.params)
+        self._all_placeholders = None
 
     def restore_placeholders(self) -> None:
         """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
@@ -350,6 +376,17 @@ class _Key:
         """Before FSDP2 sets the .grad of `params` after their reduce-scatter: removes their
         placeholders, raising first where the user dropped a gradient ODC cannot drop (as
         dropped_grads, for these parameters)."""
+        if params is self._all_trainable and not self.any_user:
+            # The common case, every trainable parameter with its placeholder in .grad: the
+            # loop below would only clear them.
+            placeholders = self._all_placeholders
+            if placeholders is None:
+                placeholders = self._make_all_placeholders()
+            grads = _fsdp2.sharded_grads(self._all_fps)
+            if placeholders is not None and all(map(is_, grads, placeholders)):
+                self.reduced.update(params)
+                _fsdp2.clear_sharded_grads(self._all_fps)
+                return
         prior, reduced, fps = self.prior, self.reduced, self.unit.params
         placeholders = self._placeholders
         grads = [_fsdp2.sharded_param(fps[i]).grad for i in params]
@@ -365,6 +402,14 @@ class _Key:
                     grad is placeholders[index] or _is_placeholder(grad)):
                 _fsdp2.sharded_param(fps[index]).grad = None
 
+    def _make_all_placeholders(self) -> list | None:
+        """The placeholders of `_all_trainable`, in its order, cached once every one is made."""
+        placeholders = [self._placeholders[i] for i in self._all_trainable]
+        if any(p is None for p in placeholders):
+            return None
+        self._all_placeholders = placeholders
+        return placeholders
+
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
         return self.spans[index]
@@ -379,6 +424,10 @@ class _Key:
             self._all_trainable = [i for i in order if self.grad_numels[i] > 0]
             self._all_trainable_set = set(self._all_trainable)
             self._all_numel = sum(self.grad_numels[i] for i in self._all_trainable)
+            self._all_in_key_order = self._all_trainable == [
+                i for i, n in enumerate(self.grad_numels) if n]
+            self._all_fps = [self.unit.params[i] for i in self._all_trainable]
+            self._all_placeholders = None
         if self._pushed == self._all_trainable_set and chunk_numel == self._all_numel:
             self._pushed = set()  # the common case: every trainable parameter, in order
             return self._all_trainable
@@ -531,6 +580,7 @@ class Handle:
                 if key.prior[index] is not _USER:
                     # FSDP2 must not add into the accumulator; reads raise until the barrier.
                     key.place_placeholder(index)
+            key.any_user = any(p is _USER for p in key.prior)
         if not releasing:
             return  # fresh accumulators: zero since connect
         with self._release_stream():
@@ -756,6 +806,7 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
             _fsdp2.sharded_param(fp).grad = key.grad_view(index)
         else:  # e.g. bf16 parameters without mixed precision: a copy, rounded once
             _fsdp2.set_grad(fp, span.to(dtype=_fsdp2.grad_dtype(fp), copy=True))
+    key.any_user = False  # every prior is None again
 
 
 def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:

@@ -305,6 +305,17 @@ def sharded_param(fp) -> torch.nn.Parameter:
     return fp.sharded_param
 
 
+def sharded_grads(fps) -> list:
+    """The ``.grad`` of `sharded_param` of each FSDPParam in `fps` (one call for a whole unit)."""
+    return [fp.sharded_param.grad for fp in fps]
+
+
+def clear_sharded_grads(fps) -> None:
+    """Sets the ``.grad`` of `sharded_param` of each FSDPParam in `fps` to None."""
+    for fp in fps:
+        fp.sharded_param.grad = None
+
+
 def add_grad(fp, grad: torch.Tensor) -> None:
     """Sets or adds to the sharded ``.grad`` exactly as FSDP2's post-backward does."""
     param = fp.sharded_param

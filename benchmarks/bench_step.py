@@ -301,6 +301,10 @@ def run_config(cfg, args, device, group) -> dict:
                          for x in (before, after)]
                 row["odc_host_s"] = after["host_s"] - before["host_s"]
                 row["odc_host_wait_s"] = waits[1] - waits[0]
+                if "host_by_kind_s" in after:  # per entry point (the barrier's waits in it)
+                    row["odc_host_by_kind_s"] = {
+                        k: v - before["host_by_kind_s"][k]
+                        for k, v in after["host_by_kind_s"].items()}
             if profiled:
                 events = prof.events()
                 prof_out = {"row": row, "gpu": gpu_breakdown(events) if device.type == "cuda"
@@ -404,6 +408,16 @@ def summarize(cfg, per_rank) -> dict:
             1e3 * statistics.median(row["odc_host_wait_s"] for row in r[cfg]["rows"])
             for r in per_rank]
         out["host_odc_unprofiled_share_max"] = max(own) / out["minibatch_s_median"]
+        rows0 = per_rank[0][cfg]["rows"]
+        if all("odc_host_by_kind_s" in row for r in per_rank for row in r[cfg]["rows"]):
+            # per entry point, medians over the minibatches, the barrier's less its waits
+            def kind_ms(rows, kind):
+                return 1e3 * statistics.median(
+                    row["odc_host_by_kind_s"][kind]
+                    - (row["odc_host_wait_s"] if kind == "barrier" else 0.0) for row in rows)
+            out["host_odc_unprofiled_by_kind_ms_per_rank"] = [
+                {k: kind_ms(r[cfg]["rows"], k) for k in rows0[0]["odc_host_by_kind_s"]}
+                for r in per_rank]
     gpus = [r[cfg]["profiled"]["gpu"] for r in per_rank]
     if all(g is not None for g in gpus):
         out["gpu_ms_per_rank"] = [{k: v / 1e3 for k, v in g["by_category_us"].items()}
@@ -588,6 +602,10 @@ def table(result) -> str:
         rows.append(("  share of the minibatch",
                      [f"{odc_cfg['host_odc_unprofiled_share_max']:.2%}"
                       if c == "odc" else "-" for c in configs]))
+        for kind in (odc_cfg.get("host_odc_unprofiled_by_kind_ms_per_rank") or [{}])[0]:
+            worst = max(r[kind] for r in odc_cfg["host_odc_unprofiled_by_kind_ms_per_rank"])
+            rows.append((f"    {kind} ms, unprofiled (max)",
+                         [f"{worst:.2f}" if c == "odc" else "-" for c in configs]))
     if "host_odc_outside_waits_ms_per_rank" in result["configs"].get("odc", {}):
         odc_cfg = result["configs"]["odc"]
         rows.append(("  outside the barrier's waits, profiled (max)",

@@ -88,14 +88,23 @@ _profiling = torch.autograd._profiler_enabled
 class _HostClock:
     """Host seconds spent in ODC's entry points (the comm calls FSDP2 makes, ODC's forward,
     gradient and optimizer hooks, the barrier; the C++ calls they make included):
-    ``torch_odc.stats()[i]["host_s"]``. The barrier's waits are in it; the engine reports them
-    apart (``barrier_wait_s``). Not counted: the per-parameter hooks that only note which
-    parameters got a gradient (a set insertion each)."""
+    ``torch_odc.stats()[i]["host_s"]``, and by entry point in ``host_by_kind_s`` (one clock
+    each, below). The barrier's waits are in it; the engine reports them apart
+    (``barrier_wait_s``). Not counted: the per-parameter hooks that only note which parameters
+    got a gradient (a set insertion each)."""
 
     __slots__ = ("s",)
 
     def __init__(self):
         self.s = 0.0
+
+
+# The entry points with a host clock each: FSDP2's all-gather / reduce-scatter comm calls, a
+# unit's forward pre-hook, the sharded-.grad hook FSDP2 calls after a reduce-scatter, the root's
+# forward pre-hook (entry into the minibatch and the eager publish), the barrier, the optimizer's
+# step pre-hook.
+_CLOCK_KINDS = ("gather", "push", "unit_pre_forward", "grad_hook", "root_pre_forward", "barrier",
+                "step_hook")
 
 
 class _KeyedAllGather(_fsdp2.AllGather):
@@ -120,7 +129,7 @@ class _KeyedAllGather(_fsdp2.AllGather):
             return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor,
                                                      async_op)
         finally:
-            handle._clock.s += perf_counter() - t0
+            handle._clock_gather.s += perf_counter() - t0
 
 
 class _KeyedReduceScatter(_fsdp2.ReduceScatter):
@@ -139,7 +148,7 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
                     return self._call(output_tensor, input_tensor, group, op, async_op)
             return self._call(output_tensor, input_tensor, group, op, async_op)
         finally:
-            self._handle._clock.s += perf_counter() - t0
+            self._handle._clock_push.s += perf_counter() - t0
 
     def _call(self, output_tensor, input_tensor, group, op, async_op):
         handle = self._handle
@@ -209,7 +218,8 @@ class _Key:
         self._grad_views: list = [None] * len(unit.params)
         self._placeholders: list = [None] * len(unit.params)
         self._scales: dict = {}  # push_scale by (reduce dtype, FSDP2's divide settings)
-        self.clock = _HostClock()  # the handle's (set by attach)
+        # The handle's clocks of the unit pre-forward hook and the .grad hook (set by attach).
+        self.clock, self.grad_clock = _HostClock(), _HostClock()
         self._order = None  # take_pushed_params: FSDP2's order, and every trainable one in it
         self._all_trainable: list[int] = []
         self._all_trainable_set: set[int] = set()
@@ -332,7 +342,7 @@ class _Key:
                 self.place_placeholder(index)
             else:
                 param.grad = placeholder
-        self.clock.s += perf_counter() - t0
+        self.grad_clock.s += perf_counter() - t0
 
     def place_placeholder(self, index: int) -> None:
         """Puts the no-memory placeholder in parameter `index`'s ``.grad`` (see
@@ -464,9 +474,11 @@ class Handle:
         self._replicate = replicate_group  # HSDP: one all-reduce per minibatch across replicas
         self._group = None  # the shard group the engine runs over (set by attach)
         self._lazy_done = False  # FSDP2's lazy init of every unit ran (_lazy_init)
-        self._clock = _HostClock()
+        self._clocks = {kind: _HostClock() for kind in _CLOCK_KINDS}
+        self._clock_gather, self._clock_push = self._clocks["gather"], self._clocks["push"]
         for key in keys:
-            key.clock = self._clock
+            key.clock = self._clocks["unit_pre_forward"]
+            key.grad_clock = self._clocks["grad_hook"]
         self._attached = True
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
@@ -513,7 +525,7 @@ class Handle:
         try:
             self._barrier()
         finally:
-            self._clock.s += perf_counter() - t0
+            self._clocks["barrier"].s += perf_counter() - t0
 
     def _barrier(self) -> None:
         if not self._attached:
@@ -684,14 +696,14 @@ class Handle:
                 else:
                     self._publish_unpublished()
         finally:
-            self._clock.s += perf_counter() - t0
+            self._clocks["root_pre_forward"].s += perf_counter() - t0
 
     def _check_step(self, optimizer, args, kwargs) -> None:
         t0 = perf_counter()
         try:
             self._check_step_impl(optimizer)
         finally:
-            self._clock.s += perf_counter() - t0
+            self._clocks["step_hook"].s += perf_counter() - t0
 
     def _check_step_impl(self, optimizer) -> None:
         # Raises before the step changes anything. A step over this model's parameters needs
@@ -725,7 +737,8 @@ class Handle:
 
     def stats(self) -> dict:
         out = self._backend._stats()
-        out["host_s"] = self._clock.s  # see _HostClock
+        out["host_by_kind_s"] = {kind: c.s for kind, c in self._clocks.items()}
+        out["host_s"] = sum(out["host_by_kind_s"].values())  # see _HostClock
         return out
 
     def detach(self) -> None:

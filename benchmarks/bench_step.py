@@ -301,10 +301,19 @@ def run_config(cfg, args, device, group) -> dict:
                          for x in (before, after)]
                 row["odc_host_s"] = after["host_s"] - before["host_s"]
                 row["odc_host_wait_s"] = waits[1] - waits[0]
+                # apart: the barrier's (in its clock) and those for peers' publishes (in the
+                # gathers' clock, where a gather waits on the host: the CPU transport)
+                row["odc_host_waits_by_kind_s"] = {
+                    kind: after["total"].get(k, 0.0) - before["total"].get(k, 0.0)
+                    for kind, k in (("barrier", "barrier_wait_s"),
+                                    ("gather", "publish_wait_s"))}
                 if "host_by_kind_s" in after:  # per entry point (the barrier's waits in it)
                     row["odc_host_by_kind_s"] = {
                         k: v - before["host_by_kind_s"][k]
                         for k, v in after["host_by_kind_s"].items()}
+                if "cpp_host_s" in after:  # the C++ part of the keyed calls
+                    row["odc_cpp_host_s"] = {k: v - before["cpp_host_s"][k]
+                                             for k, v in after["cpp_host_s"].items()}
             if profiled:
                 events = prof.events()
                 prof_out = {"row": row, "gpu": gpu_breakdown(events) if device.type == "cuda"
@@ -410,13 +419,19 @@ def summarize(cfg, per_rank) -> dict:
         out["host_odc_unprofiled_share_max"] = max(own) / out["minibatch_s_median"]
         rows0 = per_rank[0][cfg]["rows"]
         if all("odc_host_by_kind_s" in row for r in per_rank for row in r[cfg]["rows"]):
-            # per entry point, medians over the minibatches, the barrier's less its waits
+            # per entry point, medians over the minibatches, less the waits inside it
             def kind_ms(rows, kind):
                 return 1e3 * statistics.median(
                     row["odc_host_by_kind_s"][kind]
-                    - (row["odc_host_wait_s"] if kind == "barrier" else 0.0) for row in rows)
+                    - row["odc_host_waits_by_kind_s"].get(kind, 0.0) for row in rows)
             out["host_odc_unprofiled_by_kind_ms_per_rank"] = [
                 {k: kind_ms(r[cfg]["rows"], k) for k in rows0[0]["odc_host_by_kind_s"]}
+                for r in per_rank]
+        if all("odc_cpp_host_s" in row for r in per_rank for row in r[cfg]["rows"]):
+            out["host_odc_cpp_ms_per_rank"] = [  # less the publish waits, inside C++ too
+                {k: 1e3 * statistics.median(
+                    row["odc_cpp_host_s"][k] - row["odc_host_waits_by_kind_s"].get(k, 0.0)
+                    for row in r[cfg]["rows"]) for k in rows0[0]["odc_cpp_host_s"]}
                 for r in per_rank]
     gpus = [r[cfg]["profiled"]["gpu"] for r in per_rank]
     if all(g is not None for g in gpus):
@@ -602,10 +617,15 @@ def table(result) -> str:
         rows.append(("  share of the minibatch",
                      [f"{odc_cfg['host_odc_unprofiled_share_max']:.2%}"
                       if c == "odc" else "-" for c in configs]))
+        cpp = odc_cfg.get("host_odc_cpp_ms_per_rank")
+        cpp_kind = {"gather": "gather", "push": "push", "root_pre_forward": "publish"}
         for kind in (odc_cfg.get("host_odc_unprofiled_by_kind_ms_per_rank") or [{}])[0]:
             worst = max(r[kind] for r in odc_cfg["host_odc_unprofiled_by_kind_ms_per_rank"])
-            rows.append((f"    {kind} ms, unprofiled (max)",
-                         [f"{worst:.2f}" if c == "odc" else "-" for c in configs]))
+            text = f"{worst:.2f}"
+            if cpp and kind in cpp_kind:  # of which in the C++ of the keyed calls
+                text += f" ({max(r[cpp_kind[kind]] for r in cpp):.2f})"
+            rows.append((f"    {kind} ms, unprofiled (max; C++ part)",
+                         [text if c == "odc" else "-" for c in configs]))
     if "host_odc_outside_waits_ms_per_rank" in result["configs"].get("odc", {}):
         odc_cfg = result["configs"]["odc"]
         rows.append(("  outside the barrier's waits, profiled (max)",

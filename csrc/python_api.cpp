@@ -224,6 +224,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["current"] = statsDict(e.currentStats());
         d["last"] = statsDict(e.lastStats());
         d["total"] = statsDict(e.totalStats());
+        // The C++ share of the keyed calls' host time (seconds since the group was made).
+        using HostOp = torch_odc::OdcBackend::HostOp;
+        py::dict cpp;
+        cpp["gather"] = self.cppHostSeconds(HostOp::kGather);
+        cpp["push"] = self.cppHostSeconds(HostOp::kPush);
+        cpp["publish"] = self.cppHostSeconds(HostOp::kPublish);
+        d["cpp_host_s"] = cpp;
         return d;
       });
 

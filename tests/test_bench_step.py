@@ -255,6 +255,14 @@ def test_bench_step_runs_and_reports(device, tmp_path):
     assert all(0 < ms < 1e3 * odc["minibatch_s_median"] for ms in own), odc
     assert all(w >= 0 for w in odc["host_odc_unprofiled_waits_ms_per_rank"]), odc
     assert 0 < odc["host_odc_unprofiled_share_max"] < 1
+    # ... by entry point (medians per kind), and the C++ part of each keyed call kind inside its
+    # entry point's clock, which wraps it in every minibatch (so in the medians too)
+    for kinds in odc["host_odc_unprofiled_by_kind_ms_per_rank"]:
+        assert kinds["gather"] > 0 and kinds["push"] > 0 and kinds["barrier"] >= 0, kinds
+    for cpp, kinds in zip(odc["host_odc_cpp_ms_per_rank"],
+                          odc["host_odc_unprofiled_by_kind_ms_per_rank"]):
+        for kind, outer in (("gather", "gather"), ("push", "push")):
+            assert 0 < cpp[kind] <= kinds[outer] * 1.001, (cpp, kinds)
     for cfg, s in r["configs"].items():
         assert len(s["minibatch_s"]) == 2 and 0 < s["minibatch_s_median"] < 60, (cfg, s)
         assert 0 < s["micro_s_median"] < s["minibatch_s_median"] * 1.01, (cfg, s)

@@ -801,8 +801,29 @@ void OdcBackend::keyedReduceScatter(Engine& eng, int key, at::Tensor& output, at
   }
 }
 
+// Adds the host time of its scope to one of the backend's C++ host clocks.
+class HostTimer {
+ public:
+  HostTimer(OdcBackend& backend, OdcBackend::HostOp op)
+      : clock_(backend.cpp_host_ns_[static_cast<size_t>(op)]),
+        t0_(std::chrono::steady_clock::now()) {}
+  ~HostTimer() {
+    clock_.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
+            .count(),
+        std::memory_order_relaxed);
+  }
+  HostTimer(const HostTimer&) = delete;
+  HostTimer& operator=(const HostTimer&) = delete;
+
+ private:
+  std::atomic<int64_t>& clock_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 WorkPtr OdcBackend::keyedAllgatherCall(int key, at::Tensor& output, at::Tensor& input,
                                        bool async_op) {
+  HostTimer timer(*this, HostOp::kGather);
   const auto held = engine("keyed all-gather");
   OpRange range(held->opName(Engine::Op::kGather, static_cast<size_t>(key)));
   keyedAllgather(*held, key, output, input, /*publish_only=*/false);
@@ -813,6 +834,7 @@ WorkPtr OdcBackend::keyedReduceScatterCall(int key, at::Tensor& output, at::Tens
                                            const c10d::ReduceOp& op,
                                            const std::vector<uint32_t>& params, double scale,
                                            bool async_op) {
+  HostTimer timer(*this, HostOp::kPush);
   const auto held = engine("keyed reduce-scatter");
   OpRange range(held->opName(Engine::Op::kPush, static_cast<size_t>(key)));
   keyedReduceScatter(*held, key, output, input, op, params, scale);
@@ -821,6 +843,7 @@ WorkPtr OdcBackend::keyedReduceScatterCall(int key, at::Tensor& output, at::Tens
 
 std::vector<size_t> OdcBackend::publishShards(const std::vector<int64_t>& keys,
                                               const std::vector<std::vector<at::Tensor>>& sources) {
+  HostTimer timer(*this, HostOp::kPublish);
   OpRange range("odc::publish_shards");
   const auto held = engine("publish");
   auto& eng = *held;

@@ -6,6 +6,7 @@
 // on the first CUDA collective, through a factory, so CPU-only programs never touch CUDA.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -195,6 +196,22 @@ class OdcBackend : public c10d::Backend {
   std::shared_ptr<Engine> engine_;
   int engine_generation_ = 0;
   int support_checks_ = 0;
+
+ public:
+  // Host nanoseconds spent inside the keyed entry points' C++ (from the call's entry in C++ to
+  // its return: the engine, the transport, the CUDA calls; not pybind's argument conversion nor
+  // the Python around it), since the process group was made: the C++ share of
+  // torch_odc.stats()["host_by_kind_s"]. Only the issuing thread writes them.
+  enum class HostOp : size_t { kGather, kPush, kPublish, kCount };
+  double cppHostSeconds(HostOp op) const {
+    return static_cast<double>(
+               cpp_host_ns_[static_cast<size_t>(op)].load(std::memory_order_relaxed)) *
+           1e-9;
+  }
+
+ private:
+  std::atomic<int64_t> cpp_host_ns_[static_cast<size_t>(HostOp::kCount)] = {};
+  friend class HostTimer;
 };
 
 // The key of the keyed call this thread is making (set by torch_odc's FSDP2 comm hooks around

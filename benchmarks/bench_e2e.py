@@ -42,6 +42,7 @@ import socket
 import sys
 import time
 import warnings
+from unittest import mock
 
 import numpy as np
 import torch
@@ -1043,18 +1044,9 @@ def main():
         measured = lengths[args.warmup:-1]
         entry = {"configs": {}}
         for cfg in configs:
-            env = config_env(cfg)
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with mock.patch.dict(os.environ, config_env(cfg)):  # this run's settings only
                 out = run_config(config_base(cfg), args, device, world, rank, lengths,
                                  nccl_group, cost, pack)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:

@@ -47,18 +47,29 @@ def main():
     comm = _attach._KeyedReduceScatter(handle, 1)
     numel = key._all_numel * key.world
     inp, out = torch.randn(numel), torch.empty(numel // key.world)
-    every = set(key._all_trainable)
+    every = list(key._all_trainable)
     backend, n = handle._backend, args.calls
 
     def hooks():  # what FSDP2 calls after setting each sharded .grad
         for i, fp in enumerate(key.unit.params):
             key._drop_fsdp_grad(i, fp.sharded_param)
 
-    def full():
+    def full():  # the common push: one C++ call (KeyCalls.push_all)
+        assert key.fast_push
         for _ in range(n):
-            key._pushed = set(every)
+            key.calls.note(every)  # what the gradient accumulators' hooks note in a backward
             comm(out, inp, handle._group, ReduceOp.SUM)
             hooks()
+
+    def general():  # the same push through the general path (Python bookkeeping)
+        key.fast_push = False
+        try:
+            for _ in range(n):
+                key.calls.note(every)
+                comm(out, inp, handle._group, ReduceOp.SUM)
+                hooks()
+        finally:
+            key.fast_push = True
 
     def cpp_entry():
         for _ in range(n):
@@ -66,14 +77,16 @@ def main():
 
     def python_parts():
         for _ in range(n):
-            key._pushed = set(every)
+            key.calls.note(every)
             key.take_placeholders(key.take_pushed_params(numel // key.world))
             key.push_scale(inp.dtype)
             hooks()
 
     rows = []
-    for name, fn in (("push comm call + .grad hooks", full), ("C++ entry via pybind", cpp_entry),
-                     ("Python bookkeeping + .grad hooks", python_parts)):
+    for name, fn in (("push comm call + .grad hooks", full),
+                     ("  the same, general path", general),
+                     ("C++ entry via pybind", cpp_entry),
+                     ("general path's bookkeeping + hooks", python_parts)):
         best = None
         for _ in range(5):
             c0 = backend._stats()["cpp_host_s"]["push"]

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "backend/key_grads.h"
 #include "backend/odc_backend.h"
 #include "balance/planner.h"
 
@@ -67,6 +68,26 @@ py::dict statsDict(const torch_odc::EngineStats& s) {
   d["barrier_wait_s"] = s.barrier_wait_s;
   return d;
 }
+
+// A reduce op as FSDP2 passes it: a ReduceOp.RedOpType (SUM, AVG) without pybind's implicit
+// conversion, or a ReduceOp (PREMUL_SUM with its factor).
+c10d::ReduceOp toReduceOp(const py::handle& op) {
+  if (py::isinstance<c10d::ReduceOp::RedOpType>(op)) {
+    return c10d::ReduceOp(op.cast<c10d::ReduceOp::RedOpType>());
+  }
+  return op.cast<c10d::ReduceOp>();
+}
+
+// One key's pushes as torch_odc's FSDP2 reduce-scatter comm object makes them: the gradient
+// notes and placeholders of its parameters (KeyGrads), and the push of every trainable
+// parameter in one call.
+struct KeyCalls {
+  KeyCalls(c10::intrusive_ptr<torch_odc::OdcBackend> b, int k, size_t num_params)
+      : backend(std::move(b)), key(k), grads(num_params) {}
+  c10::intrusive_ptr<torch_odc::OdcBackend> backend;
+  int key;
+  torch_odc::KeyGrads grads;
+};
 
 }  // namespace
 
@@ -134,7 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](torch_odc::OdcBackend& self, int key, at::Tensor output, at::Tensor input,
              const py::object& op, const std::vector<uint32_t>& params, double scale,
              bool async_op) {
-            const auto reduce_op = op.cast<c10d::ReduceOp>();
+            const auto reduce_op = toReduceOp(op);
             py::gil_scoped_release nogil;
             return self.keyedReduceScatterCall(key, output, input, reduce_op, params, scale,
                                                async_op);
@@ -252,6 +273,68 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Marks this thread's next collectives as keyed calls of `key` (-1: ordinary). For a "
       "reduce-scatter: the parameters its input covers, in order (empty: every trainable one) "
       "and a factor applied on top of the reduce op's (FSDP2's post-division).");
+
+  py::class_<KeyCalls>(m, "KeyCalls",
+                       "One key's gradient notes (C++ hooks on its unsharded parameters' "
+                       "gradient accumulators), its placeholders, and its common push.")
+      .def(py::init<c10::intrusive_ptr<torch_odc::OdcBackend>, int, size_t>(), py::arg("backend"),
+           py::arg("key"), py::arg("num_params"))
+      .def(
+          "watch",
+          [](KeyCalls& self, size_t index, const at::Tensor& param) {
+            return self.grads.watch(index, param);
+          },
+          py::arg("index"), py::arg("param"),
+          "Notes every gradient accumulated into `param` as one of parameter `index`; False "
+          "where `param` has no gradient accumulator (not a leaf requiring grad).")
+      .def(
+          "watches",
+          [](const KeyCalls& self, size_t index, const at::Tensor& param) {
+            return self.grads.watches(index, param);
+          },
+          py::arg("index"), py::arg("param"))
+      .def("unwatch_all", [](KeyCalls& self) { self.grads.unwatchAll(); })
+      .def(
+          "note",
+          [](KeyCalls& self, const std::vector<size_t>& indices) {
+            for (const size_t i : indices) self.grads.note(i);
+          },
+          py::arg("indices"), "Notes these parameters as a gradient hook does (benchmarks).")
+      .def(
+          "pushed", [](const KeyCalls& self) { return self.grads.pushed(); },
+          "The parameters that got a gradient since the last take, ascending.")
+      .def(
+          "take_pushed", [](KeyCalls& self) { return self.grads.takePushed(); },
+          "pushed(), clearing them.")
+      .def(
+          "set_placeholders",
+          [](KeyCalls& self, const std::vector<int64_t>& indices, std::vector<at::Tensor> sharded,
+             std::vector<at::Tensor> placeholders) {
+            self.grads.setPlaceholders(indices, std::move(sharded), std::move(placeholders));
+          },
+          py::arg("indices"), py::arg("sharded"), py::arg("placeholders"))
+      .def(
+          "all_grads_set", [](const KeyCalls& self) { return self.grads.allGradsSet(); },
+          "Whether every parameter given to set_placeholders has a .grad (False without any).")
+      .def(
+          "push_all",
+          [](KeyCalls& self, at::Tensor output, at::Tensor input, const py::handle& op,
+             double scale, bool async_op) -> py::object {
+            const auto reduce_op = toReduceOp(op);
+            if (!self.grads.takeAll()) return py::bool_(false);
+            c10::intrusive_ptr<c10d::Work> work;
+            {
+              py::gil_scoped_release nogil;
+              work = self.backend->keyedReduceScatterCall(self.key, output, input, reduce_op, {},
+                                                          scale, async_op);
+            }
+            return py::cast(work);
+          },
+          py::arg("output"), py::arg("input"), py::arg("op"), py::arg("scale"), py::arg("async_op"),
+          "The common push: where every trainable parameter, and no other, got a gradient and "
+          "holds its placeholder, clears their .grad and the notes and pushes the input (every "
+          "trainable parameter in key order): None, or a Work with async_op. Otherwise changes "
+          "nothing and returns False.");
 
   // ---- balance planner (csrc/balance) ------------------------------------------------------
   m.def(

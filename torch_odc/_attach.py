@@ -157,6 +157,16 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         if group is not handle._group:
             raise RuntimeError(handle._wrong_group(self._key, "reduce-scatter", group))
         key = self._entry
+        if (key.fast_push and not key.any_user
+                and _fsdp2.reduce_scatter_order(key.unit) is key._order):
+            # The common push, one C++ call: every trainable parameter got a gradient (in key
+            # order) and holds its placeholder; the call clears them (FSDP2 sets .grad next) and
+            # pushes. False: it changed nothing, and the general path below runs.
+            work = key.calls.push_all(output_tensor, input_tensor, op,
+                                      key.push_scale(input_tensor.dtype), async_op)
+            if work is not False:
+                key.reduced = key._all_reduced
+                return work
         params = key.take_pushed_params(input_tensor.numel() // key.world)
         sets_grad = not key.hsdp or _fsdp2.sets_grad_after_reduce_scatter(key.unit)
         if sets_grad and key.hsdp:
@@ -176,6 +186,8 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         scale = key.push_scale(input_tensor.dtype)
         if params is key._all_trainable and key._all_in_key_order:
             params = _ALL_PARAMS  # the same push, without converting the list
+        if not key.fast_push:
+            key.enable_fast_push()
         return handle._backend._keyed_reduce_scatter(
             self._key, output_tensor, input_tensor, op, params, scale, async_op)
 
@@ -199,8 +211,11 @@ class _Key:
         self._trainable_params = [(i, fp) for i, fp in enumerate(unit.params)
                                   if self.grad_numels[i]]
         self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
-        self._pushed: set[int] = set()
-        self._hooked: dict[int, tuple[int, object]] = {}  # param index -> (id, hook handle)
+        # Set by attach: the C++ side of this key's pushes (_C.KeyCalls): which parameters got a
+        # gradient since the last push (noted by C++ hooks on the unsharded parameters'
+        # gradient accumulators), and the common push in one call (fast_push: enabled).
+        self.calls = None
+        self.fast_push = False
         self.accumulator: torch.Tensor | None = None  # set at attach (a view of the region)
         # Per parameter, what its sharded .grad was when this rank entered the minibatch (see
         # Handle._enter_minibatch): None, _CARRY (a view of its accumulator span, kept there),
@@ -208,8 +223,10 @@ class _Key:
         self.prior: list = [None] * len(unit.params)
         self._grad_hooks: list = []
         self.hsdp = _fsdp2.replicate_group(unit) is not None
-        # Parameters reduce-scattered since this rank entered the minibatch.
-        self.reduced: set[int] = set()
+        # Parameters reduce-scattered since this rank entered the minibatch (replaced, never
+        # changed in place: it may be _all_reduced).
+        self.reduced: set[int] | frozenset[int] = set()
+        self._all_reduced: frozenset[int] = frozenset()  # every trainable parameter
         self._where = None  # set by attach: "rank r, minibatch m" for messages
         # Made once and reused every minibatch (no tensor or DTensor built per call): per
         # parameter its accumulator span (set_accumulator), the DTensor .grad that views it
@@ -227,11 +244,14 @@ class _Key:
         self._all_in_key_order = False  # _all_trainable is every trainable index, ascending
         self._all_fps: list = []  # the FSDPParams of _all_trainable
         self._all_placeholders: list | None = None  # theirs, once all made (else None)
+        # The sharded parameters fast_push swaps .grad of (FSDP2 may replace them: _apply).
+        self._fast_params: list = []
         # Whether some prior is _USER (set where prior changes): the fast paths skip it.
         self.any_user = False
         # watch_grads: the unsharded parameters at its last full pass, and those of them it
         # left unhooked because they did not require grad (None: no pass yet).
         self._watched: tuple | None = None
+        self.watch_due = True  # watch_grads at the next forward (set when entering a minibatch)
 
     def set_accumulator(self, accumulator: torch.Tensor | None) -> None:
         self.accumulator = accumulator
@@ -275,7 +295,9 @@ class _Key:
             self.clock.s += perf_counter() - t0
 
     def _before_forward(self) -> None:
-        self.watch_grads()
+        if self.watch_due:  # once per minibatch: FSDP2 makes the unsharded parameters once
+            self.watch_due = False
+            self.watch_grads()
         self.restore_placeholders()
         if self.hsdp:
             # set_requires_gradient_sync(True) (the last microbatch of no-sync accumulation)
@@ -299,23 +321,14 @@ class _Key:
                 and not (last[1] and any(p.requires_grad for p in last[1]))):
             return
         self._watched = (params, [p for p in params if p is not None and not p.requires_grad])
-        watched = self._hooked
+        calls = self.calls
         for index, param in enumerate(params):
-            if param is None or not param.requires_grad:
-                continue
-            hooked = watched.get(index)
-            if hooked is not None and hooked[0] == id(param):
-                continue
-            if hooked is not None:
-                hooked[1].remove()
-            handle = param.register_post_accumulate_grad_hook(
-                lambda _p, i=index: self._pushed.add(i))
-            self._hooked[index] = (id(param), handle)
+            if param is not None and param.requires_grad:
+                calls.watch(index, param)  # a no-op where it already watches this tensor
 
     def unwatch_grads(self) -> None:
-        for _, handle in self._hooked.values():
-            handle.remove()
-        self._hooked.clear()
+        self.disable_fast_push()
+        self.calls.unwatch_all()
         self._watched = None
         for handle in self._grad_hooks:
             handle.remove()
@@ -355,18 +368,22 @@ class _Key:
                 fp, _NoGradBeforeBarrier(size, stride, dtype, device,
                                          _param_name(self.unit, index), self._where))
             self._all_placeholders = None
+            self.disable_fast_push()
         _fsdp2.sharded_param(fp).grad = placeholder
 
     def forget_placeholders(self) -> None:
         """Drops the cached placeholders (FSDP2's lazy init may change the gradient dtype)."""
         self._placeholders = [None] * len(self.unit.params)
         self._all_placeholders = None
+        self.disable_fast_push()
 
     def restore_placeholders(self) -> None:
         """Puts the placeholder back where zero_grad() (to None) dropped nothing: no gradient
         kept from the last minibatch, none pushed in this one (e.g. zero_grad() after an
         evaluation forward that started the minibatch)."""
         prior, reduced = self.prior, self.reduced
+        if reduced is self._all_reduced or (self.fast_push and self.calls.all_grads_set()):
+            return  # every parameter reduced, or none whose .grad is None
         for index, fp in self._trainable_params:
             if (prior[index] is None and index not in reduced
                     and _fsdp2.sharded_param(fp).grad is None):
@@ -394,7 +411,7 @@ class _Key:
                 placeholders = self._make_all_placeholders()
             grads = _fsdp2.sharded_grads(self._all_fps)
             if placeholders is not None and all(map(is_, grads, placeholders)):
-                self.reduced.update(params)
+                self.reduced = self._all_reduced
                 _fsdp2.clear_sharded_grads(self._all_fps)
                 return
         prior, reduced, fps = self.prior, self.reduced, self.unit.params
@@ -406,7 +423,7 @@ class _Key:
                        and (prior[i] is not None or i in reduced)]
             if dropped:
                 raise RuntimeError(_dropped_message(self._where(), dropped))
-        reduced.update(params)
+        self.reduced = reduced.union(params)
         for index, grad in zip(params, grads):
             if grad is not None and prior[index] is not _USER and (
                     grad is placeholders[index] or _is_placeholder(grad)):
@@ -419,6 +436,31 @@ class _Key:
             return None
         self._all_placeholders = placeholders
         return placeholders
+
+    def enable_fast_push(self) -> None:
+        """Hands the common push to C++ (``calls.push_all``) once it can do it exactly as
+        `take_pushed_params` + `take_placeholders` would: FSDP2 reduce-scatters in key order,
+        every placeholder is made, no HSDP (FSDP2 may keep the output apart)."""
+        if self.hsdp or self._order is None or not self._all_in_key_order or not self._all_fps:
+            return
+        placeholders = self._all_placeholders or self._make_all_placeholders()
+        if placeholders is None:
+            return
+        self._fast_params = [_fsdp2.sharded_param(fp) for fp in self._all_fps]
+        self.calls.set_placeholders(self._all_trainable, self._fast_params, placeholders)
+        self.fast_push = True
+
+    def disable_fast_push(self) -> None:
+        if self.fast_push:
+            self.calls.set_placeholders([], [], [])
+            self.fast_push = False
+
+    def check_fast_params(self) -> None:
+        """Turns fast_push off where FSDP2 replaced a sharded parameter (reset_sharded_param,
+        e.g. after load_state_dict(assign=True)); the next push turns it on again."""
+        if self.fast_push and not all(
+                map(is_, _fsdp2.sharded_params(self._all_fps), self._fast_params)):
+            self.disable_fast_push()
 
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
@@ -437,14 +479,15 @@ class _Key:
             self._all_in_key_order = self._all_trainable == [
                 i for i, n in enumerate(self.grad_numels) if n]
             self._all_fps = [self.unit.params[i] for i in self._all_trainable]
+            self._all_reduced = frozenset(self._all_trainable)
             self._all_placeholders = None
-        if self._pushed == self._all_trainable_set and chunk_numel == self._all_numel:
-            self._pushed = set()  # the common case: every trainable parameter, in order
-            return self._all_trainable
-        candidates = [[i for i in order if i in self._pushed]]
+            self.disable_fast_push()
+        pushed = set(self.calls.take_pushed())
+        if pushed == self._all_trainable_set and chunk_numel == self._all_numel:
+            return self._all_trainable  # every trainable parameter, in order
+        candidates = [[i for i in order if i in pushed]]
         if _fsdp2.reduces_unused_params(self.unit):
             candidates.append([i for i in order if self.grad_numels[i] > 0])
-        self._pushed.clear()
         for params in candidates:
             if sum(self.grad_numels[i] for i in params) == chunk_numel:
                 return params
@@ -458,7 +501,7 @@ class _Key:
         )
 
     def pending_grads(self) -> list[str]:
-        return [_param_name(self.unit, i) for i in sorted(self._pushed)]
+        return [_param_name(self.unit, i) for i in self.calls.pushed()]
 
 
 def _param_name(unit: _fsdp2.Unit, index: int) -> str:
@@ -574,7 +617,9 @@ class Handle:
         releasing = b._arrived  # False only before the first minibatch after attach
         carried = False
         for key in self._keys:
-            key.reduced.clear()
+            key.reduced = set()
+            key.watch_due = True
+            key.check_fast_params()
             for index, fp in enumerate(key.unit.params):
                 if key.grad_numels[index] == 0:
                     continue
@@ -875,6 +920,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
                             device.index if device.type == "cuda" else -1)
     for index, key in enumerate(entries):
         key._where = handle._where
+        key.calls = _C.KeyCalls(backend, index, len(key.unit.params))
         key.set_accumulator(backend._accumulator(index))
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off

@@ -310,6 +310,11 @@ def sharded_grads(fps) -> list:
     return [fp.sharded_param.grad for fp in fps]
 
 
+def sharded_params(fps) -> list:
+    """`sharded_param` of each FSDPParam in `fps`."""
+    return [fp.sharded_param for fp in fps]
+
+
 def clear_sharded_grads(fps) -> None:
     """Sets the ``.grad`` of `sharded_param` of each FSDPParam in `fps` to None."""
     for fp in fps:

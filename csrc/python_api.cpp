@@ -314,6 +314,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("indices"), py::arg("sharded"), py::arg("placeholders"))
       .def(
+          "place_all", [](KeyCalls& self) { return self.grads.placeAll(); },
+          "Where no parameter given to set_placeholders has a .grad: puts the placeholders "
+          "there, True; else changes nothing, False.")
+      .def(
+          "set_views",
+          [](KeyCalls& self, std::vector<at::Tensor> views) {
+            self.grads.setViews(std::move(views));
+          },
+          py::arg("views"))
+      .def(
+          "finalize",
+          [](KeyCalls& self, const std::vector<bool>& got) { return self.grads.finalize(got); },
+          py::arg("got"),
+          "Each parameter's .grad: its view where `got` (per parameter of the key), else None; "
+          "False (nothing changed) without views.")
+      .def(
           "all_grads_set", [](const KeyCalls& self) { return self.grads.allGradsSet(); },
           "Whether every parameter given to set_placeholders has a .grad (False without any).")
       .def(

@@ -252,6 +252,8 @@ class _Key:
         # left unhooked because they did not require grad (None: no pass yet).
         self._watched: tuple | None = None
         self.watch_due = True  # watch_grads at the next forward (set when entering a minibatch)
+        # This minibatch was entered by calls.place_all: every prior is None, no .grad was kept.
+        self.entered_clean = False
 
     def set_accumulator(self, accumulator: torch.Tensor | None) -> None:
         self.accumulator = accumulator
@@ -449,6 +451,10 @@ class _Key:
         self._fast_params = [_fsdp2.sharded_param(fp) for fp in self._all_fps]
         self.calls.set_placeholders(self._all_trainable, self._fast_params, placeholders)
         self.fast_push = True
+        # The barrier's .grad in C++ too, where each is the span's own view (no dtype cast).
+        if all(self.spans[i].dtype == _fsdp2.grad_dtype(self.unit.params[i])
+               for i in self._all_trainable):
+            self.calls.set_views([self.grad_view(i) for i in self._all_trainable])
 
     def disable_fast_push(self) -> None:
         if self.fast_push:
@@ -620,6 +626,12 @@ class Handle:
             key.reduced = set()
             key.watch_due = True
             key.check_fast_params()
+            # The common case in one C++ call: no parameter kept a .grad (zero_grad() to None),
+            # so every prior stays None (the barrier left them so) and each gets its placeholder.
+            key.entered_clean = key.fast_push and key.calls.place_all()
+            if key.entered_clean:
+                key.any_user = False
+                continue
             for index, fp in enumerate(key.unit.params):
                 if key.grad_numels[index] == 0:
                     continue
@@ -846,6 +858,11 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
     leave it after the minibatch: the reduced gradient, added to what ``.grad`` held before.
     Where the gradient dtype is the accumulator's (fp32 / fp64 models), ``.grad`` is a view of
     the accumulator span (no copy; released when this rank enters the next minibatch)."""
+    if key.entered_clean and key.fast_push and key.calls.finalize(got_grad):
+        # Every prior None: .grad is the view where a gradient came, else None (one C++ call).
+        key.entered_clean = False
+        return
+    key.entered_clean = False
     for index, fp in enumerate(key.unit.params):
         if key.grad_numels[index] == 0:
             continue

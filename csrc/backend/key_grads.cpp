@@ -105,8 +105,40 @@ void KeyGrads::setPlaceholders(const std::vector<int64_t>& indices, std::vector<
                 " out of range");
     all_bits_[static_cast<size_t>(i) / 64] |= uint64_t{1} << (i % 64);
   }
+  indices_ = indices;
   sharded_ = std::move(sharded);
   placeholders_ = std::move(placeholders);
+  views_.clear();
+}
+
+bool KeyGrads::placeAll() {
+  if (sharded_.empty()) return false;
+  for (const auto& p : sharded_) {
+    if (p.grad().defined()) return false;
+  }
+  for (size_t i = 0; i < sharded_.size(); ++i) sharded_[i].mutable_grad() = placeholders_[i];
+  return true;
+}
+
+void KeyGrads::setViews(std::vector<at::Tensor> views) {
+  TORCH_CHECK(views.empty() || views.size() == sharded_.size(),
+              "odc: setViews needs one view per sharded parameter");
+  views_ = std::move(views);
+}
+
+bool KeyGrads::finalize(const std::vector<bool>& got) {
+  if (views_.empty()) return false;
+  for (const int64_t i : indices_) {
+    TORCH_CHECK(static_cast<size_t>(i) < got.size(), "odc: finalize: no flag for parameter #", i);
+  }
+  for (size_t j = 0; j < sharded_.size(); ++j) {
+    if (got[static_cast<size_t>(indices_[j])]) {
+      sharded_[j].mutable_grad() = views_[j];
+    } else {
+      sharded_[j].mutable_grad().reset();
+    }
+  }
+  return true;
 }
 
 bool KeyGrads::takeAll() {

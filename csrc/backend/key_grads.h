@@ -51,6 +51,17 @@ class KeyGrads {
   // placeholder in .grad. Then clears those .grad (FSDP2 sets them after the reduce-scatter) and
   // the noted set, and returns true; otherwise changes nothing and returns false.
   bool takeAll();
+  // Entering a minibatch, the common case: no sharded parameter given to setPlaceholders has a
+  // .grad. Then puts each one's placeholder there and returns true; otherwise changes nothing and
+  // returns false.
+  bool placeAll();
+  // The .grad each sharded parameter gets at the barrier where it got a gradient (views of its
+  // accumulator span, in the gradient dtype), as Python made them; empty turns finalize off.
+  void setViews(std::vector<at::Tensor> views);
+  // The barrier, where placeAll entered the minibatch: each sharded parameter's .grad becomes its
+  // view where `got` (per parameter of the key) says it got a gradient, else None. False, and
+  // nothing changed, without views.
+  bool finalize(const std::vector<bool>& got);
   // Whether every sharded parameter given to setPlaceholders has a .grad (false without any).
   bool allGradsSet() const;
 
@@ -70,7 +81,8 @@ class KeyGrads {
   std::shared_ptr<Noted> noted_;  // shared with the hooks
   std::vector<Hook> hooks_;
   std::vector<uint64_t> all_bits_;  // the trainable parameters
-  std::vector<at::Tensor> sharded_, placeholders_;
+  std::vector<int64_t> indices_;    // of sharded_, placeholders_ and views_
+  std::vector<at::Tensor> sharded_, placeholders_, views_;
 };
 
 }  // namespace torch_odc

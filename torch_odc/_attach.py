@@ -90,8 +90,8 @@ class _HostClock:
     gradient and optimizer hooks, the barrier; the C++ calls they make included):
     ``torch_odc.stats()[i]["host_s"]``, and by entry point in ``host_by_kind_s`` (one clock
     each, below). The barrier's waits are in it; the engine reports them apart
-    (``barrier_wait_s``). Not counted: the per-parameter hooks that only note which parameters
-    got a gradient (a set insertion each)."""
+    (``barrier_wait_s``). Not counted: the C++ hooks on the gradient accumulators that note
+    which parameters got a gradient (a bit each, no Python)."""
 
     __slots__ = ("s",)
 

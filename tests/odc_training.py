@@ -82,12 +82,15 @@ def sharded_model(world, device="cpu", root_without_params=False, **fsdp_kwargs)
 
 
 def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
-              sleep_in=None, device="cpu", attach=True, local_shards=False):
+              sleep_in=None, device="cpu", attach=True, local_shards=False, reassign_after=None):
     """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
 
     With attach=False this is plain FSDP2 over the group's backend (every rank must then run
     the same number of microbatches). Returns the full parameters (an all-gather), or with
-    local_shards=True this rank's dim-0 shards, no collective (join them with `join_shards`)."""
+    local_shards=True this rank's dim-0 shards, no collective (join them with `join_shards`).
+    reassign_after=mb: after minibatch mb's step, ``load_state_dict(assign=True)`` replaces every
+    parameter object (FSDP2 resets its sharded parameters) and a new optimizer takes the old
+    one's state; the stats then also say which keys push through the C++ fast path."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -115,11 +118,21 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         timeline.append(("barrier_exit", mb, time.time()))
         opt.step()
         opt.zero_grad()
+        if mb == reassign_after:
+            model.load_state_dict(model.state_dict(), assign=True)
+            state = opt.state_dict()
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+            opt.load_state_dict(state)
     if local_shards:
         full = {k: v.to_local().detach().float().cpu() for k, v in model.state_dict().items()}
     else:
         full = {k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()}
     stats = handle.stats() if attach else None
+    if attach and reassign_after is not None:
+        stats["fast_push"] = [k.fast_push for k in handle._keys if any(k.grad_numels)]
+        stats["fast_params_current"] = all(
+            p is fp.sharded_param for k in handle._keys if k.fast_push
+            for p, fp in zip(k._fast_params, k._all_fps, strict=True))
     if attach:
         handle.detach()
     dist.barrier()

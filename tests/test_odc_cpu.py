@@ -73,6 +73,23 @@ def test_odc_training_matches_single_process_reference(
         assert stats["region_bytes"] >= 4 * n_shard * 0.9, stats["region_bytes"]
 
 
+def test_parameters_replaced_between_minibatches_train_exactly_through_the_cpp_push():
+    """load_state_dict(assign=True) after a step replaces every parameter object (FSDP2 resets
+    its sharded parameters): the next minibatch drops the C++ common push's stale parameters
+    and turns it on again with the new ones, and training equals the reference. Every key with
+    a trainable parameter ends on the C++ push (its .grad swap and gradient notes in C++)."""
+    plan = PLANS[2]
+    # (sleep_in, device, attach, local_shards, reassign_after)
+    results = run_ranks(2, train_odc, plan, False, None, True, LR, None, "cpu", True, False, 1)
+    want = reference(plan, False, LR)
+    for rank, (params, stats, _) in enumerate(results):
+        for name, ref in want.items():
+            torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-5,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        assert stats["fast_push"] and all(stats["fast_push"]), stats["fast_push"]
+        assert stats["fast_params_current"]
+
+
 def test_local_shards_join_to_the_reference():
     """What the compute-sanitizer flow relies on: each rank's dim-0 shards, joined in rank
     order, are the full parameters (no all-gather needed to check a run)."""
@@ -153,6 +170,32 @@ def _step_misuse(rank, world):
     handle.detach()
     dist.barrier()
     return errors, unchanged
+
+
+def _compiled_autograd_backward(rank, world):
+    """A backward under compiled autograd with the model attached: refused, naming it."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    from odc_training import loss_of, samples
+
+    import torch_odc
+
+    model = sharded_model(world)
+    handle = torch_odc.attach(model)
+    seq = samples(0, 1)[0]
+    try:
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss_of(model, seq).backward()
+        error = None
+    except Exception as err:  # noqa: BLE001 -- the test reports whatever was raised
+        error = f"{type(err).__name__}: {err}"
+    handle.detach()
+    dist.barrier()
+    return error
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error():
+    for error in run_ranks(2, _compiled_autograd_backward):
+        assert error is not None and "compiled autograd is not supported" in error, error
 
 
 def test_optimizer_step_out_of_order_is_refused_with_a_clear_error():

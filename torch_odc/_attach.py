@@ -246,6 +246,7 @@ class _Key:
         self._all_placeholders: list | None = None  # theirs, once all made (else None)
         # The sharded parameters fast_push swaps .grad of (FSDP2 may replace them: _apply).
         self._fast_params: list = []
+        self._hooked_params: list = []  # the sharded parameters hook_sharded_grads hooked
         # Whether some prior is _USER (set where prior changes): the fast paths skip it.
         self.any_user = False
         # watch_grads: the unsharded parameters at its last full pass, and those of them it
@@ -341,10 +342,11 @@ class _Key:
         (zeros under ODC: the gradient arrives at the barrier), a shard-sized buffer per module
         kept until the barrier. A hook FSDP2 calls right after drops it again, so during the
         microbatches .grad holds nothing (a .grad of the user's own is left alone)."""
-        for index, fp in enumerate(self.unit.params):
-            if self.grad_numels[index] == 0:
-                continue
-            param = _fsdp2.sharded_param(fp)
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+        self._hooked_params = _fsdp2.sharded_params(fp for _, fp in self._trainable_params)
+        for (index, _), param in zip(self._trainable_params, self._hooked_params):
             self._grad_hooks.append(param.register_post_accumulate_grad_hook(
                 lambda p, i=index: self._drop_fsdp_grad(i, p)))
 
@@ -461,12 +463,18 @@ class _Key:
             self.calls.set_placeholders([], [], [])
             self.fast_push = False
 
-    def check_fast_params(self) -> None:
-        """Turns fast_push off where FSDP2 replaced a sharded parameter (reset_sharded_param,
-        e.g. after load_state_dict(assign=True)); the next push turns it on again."""
-        if self.fast_push and not all(
-                map(is_, _fsdp2.sharded_params(self._all_fps), self._fast_params)):
-            self.disable_fast_push()
+    def check_params(self) -> bool:
+        """Whether the sharded parameters are the ones hooked (hook_sharded_grads) and, with
+        fast_push, handed to C++. FSDP2 replaces them in ``reset_sharded_param`` (after
+        ``load_state_dict(assign=True)`` or ``module._apply``): then the .grad hooks move to the
+        new ones and fast_push turns off (the next push turns it on again with them), and this
+        returns False. Runs when this rank enters a minibatch and at the barrier."""
+        if all(map(is_, _fsdp2.sharded_params(fp for _, fp in self._trainable_params),
+                   self._hooked_params)):
+            return True
+        self.disable_fast_push()
+        self.hook_sharded_grads()
+        return False
 
     def span(self, index: int) -> torch.Tensor:
         """Parameter `index`'s sharded gradient as a view of its accumulator span."""
@@ -625,7 +633,9 @@ class Handle:
         for key in self._keys:
             key.reduced = set()
             key.watch_due = True
-            key.check_fast_params()
+            if not key.check_params():  # replaced: the step check must know the new ones
+                self._params = list(self.model.parameters())
+                self._param_ids = {id(p) for p in self._params}
             # The common case in one C++ call: no parameter kept a .grad (zero_grad() to None),
             # so every prior stays None (the barrier left them so) and each gets its placeholder.
             key.entered_clean = key.fast_push and key.calls.place_all()
@@ -858,7 +868,8 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
     leave it after the minibatch: the reduced gradient, added to what ``.grad`` held before.
     Where the gradient dtype is the accumulator's (fp32 / fp64 models), ``.grad`` is a view of
     the accumulator span (no copy; released when this rank enters the next minibatch)."""
-    if key.entered_clean and key.fast_push and key.calls.finalize(got_grad):
+    if (key.entered_clean and key.check_params() and key.fast_push
+            and key.calls.finalize(got_grad)):
         # Every prior None: .grad is the view where a gradient came, else None (one C++ call).
         key.entered_clean = False
         return

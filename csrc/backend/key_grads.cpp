@@ -25,6 +25,13 @@ class NoteGradHook : public torch::autograd::FunctionPostHook {
     (*bits_)[index_ / 64] |= uint64_t{1} << (index_ % 64);
     return outputs;
   }
+  // Compiled autograd would have to trace the hook; it has no traceable form.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "torch_odc: compiled autograd is not supported with "
+                                "torch_odc.attach (the hooks that note which parameters got a "
+                                "gradient run in C++); run backward without compiled autograd");
+  }
 
  private:
   std::shared_ptr<void> noted_;  // keeps the set alive while the hook exists

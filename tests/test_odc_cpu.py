@@ -174,8 +174,8 @@ def _step_misuse(rank, world):
 
 def _compiled_autograd_backward(rank, world):
     """A backward under compiled autograd with the model attached: refused, naming it."""
-    import torch._dynamo.compiled_autograd as compiled_autograd
     from odc_training import loss_of, samples
+    from torch._dynamo import compiled_autograd
 
     import torch_odc
 

@@ -66,7 +66,8 @@ bool KeyGrads::watch(size_t index, const at::Tensor& param) {
   if (!accumulator) return false;
   h.key = accumulator->add_post_hook(
       std::make_unique<NoteGradHook>(noted_, &noted_->mu, &noted_->bits, index));
-  h.accumulator = std::move(accumulator);
+  h.accumulator = accumulator.get();
+  h.holder = std::make_shared<decltype(accumulator)>(std::move(accumulator));
   h.param = param.unsafeGetTensorImpl();
   return true;
 }

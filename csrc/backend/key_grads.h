@@ -71,7 +71,9 @@ class KeyGrads {
     std::vector<uint64_t> bits;
   };
   struct Hook {
-    std::shared_ptr<torch::autograd::Node> accumulator;
+    // Keeps the accumulator alive: a shared_ptr or, from torch 2.15, an intrusive_ptr to it.
+    std::shared_ptr<void> holder;
+    torch::autograd::Node* accumulator = nullptr;
     uintptr_t key = 0;
     const void* param = nullptr;  // the hooked tensor's TensorImpl (identity only)
   };

@@ -287,12 +287,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("index"), py::arg("param"),
           "Notes every gradient accumulated into `param` as one of parameter `index`; False "
           "where `param` has no gradient accumulator (not a leaf requiring grad).")
-      .def(
-          "watches",
-          [](const KeyCalls& self, size_t index, const at::Tensor& param) {
-            return self.grads.watches(index, param);
-          },
-          py::arg("index"), py::arg("param"))
       .def("unwatch_all", [](KeyCalls& self) { self.grads.unwatchAll(); })
       .def(
           "note",

@@ -72,11 +72,6 @@ bool KeyGrads::watch(size_t index, const at::Tensor& param) {
   return true;
 }
 
-bool KeyGrads::watches(size_t index, const at::Tensor& param) const {
-  return index < num_params_ && hooks_[index].accumulator &&
-         hooks_[index].param == param.unsafeGetTensorImpl();
-}
-
 void KeyGrads::unwatchAll() {
   for (auto& h : hooks_) unhook(h);
 }

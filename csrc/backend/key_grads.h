@@ -32,8 +32,6 @@ class KeyGrads {
   // parameter). Replaces the hook of an earlier tensor at `index`. False, and nothing hooked,
   // for a tensor that has no gradient accumulator (not a leaf, or not requiring grad).
   bool watch(size_t index, const at::Tensor& param);
-  // Whether `param` is the tensor hooked at `index`.
-  bool watches(size_t index, const at::Tensor& param) const;
   // Removes every hook (detach).
   void unwatchAll();
 

@@ -82,18 +82,27 @@ void KeyGrads::note(size_t index) {
   noted_->bits[index / 64] |= uint64_t{1} << (index % 64);
 }
 
-std::vector<int64_t> KeyGrads::pushed() const {
+namespace {
+
+std::vector<int64_t> setBits(const std::vector<uint64_t>& bits, size_t n) {
   std::vector<int64_t> out;
-  std::lock_guard<std::mutex> lock(noted_->mu);
-  for (size_t i = 0; i < num_params_; ++i) {
-    if (noted_->bits[i / 64] >> (i % 64) & 1) out.push_back(static_cast<int64_t>(i));
+  for (size_t i = 0; i < n; ++i) {
+    if (bits[i / 64] >> (i % 64) & 1) out.push_back(static_cast<int64_t>(i));
   }
   return out;
 }
 
-std::vector<int64_t> KeyGrads::takePushed() {
-  auto out = pushed();
+}  // namespace
+
+std::vector<int64_t> KeyGrads::pushed() const {
   std::lock_guard<std::mutex> lock(noted_->mu);
+  return setBits(noted_->bits, num_params_);
+}
+
+std::vector<int64_t> KeyGrads::takePushed() {
+  // Read and cleared under one lock: a note made in between is neither lost nor taken twice.
+  std::lock_guard<std::mutex> lock(noted_->mu);
+  auto out = setBits(noted_->bits, num_params_);
   std::fill(noted_->bits.begin(), noted_->bits.end(), 0);
   return out;
 }

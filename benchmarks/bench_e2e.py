@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import socket
@@ -482,6 +483,27 @@ def kernel_breakdown(kernels, launched=None) -> dict:
                               for s, e in coarse]}
 
 
+def kernel_ms_by_window(kernels, top=25) -> list:
+    """GPU ms per kernel name (its first 60 characters) between consecutive markers (the
+    profiled minibatch's microbatches, then what follows the last one up to the end marker),
+    the `top` names by time in each: what one backend runs that the other does not, or runs
+    slower."""
+    markers = sorted(e.time_range.start for e in kernels if "spin_kernel" in e.name)
+    out = []
+    for lo, hi in itertools.pairwise(markers):
+        by = {}
+        for e in kernels:
+            s, t = max(e.time_range.start, lo), min(e.time_range.end, hi)
+            if t > s and "spin_kernel" not in e.name:
+                c = by.setdefault(e.name[:60], [0, 0.0])
+                c[0] += 1
+                c[1] += (t - s) / 1e3
+        best = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+        out.append({"window_ms": round((hi - lo) / 1e3, 2),
+                    "kernels": {k: [n, round(ms, 3)] for k, (n, ms) in best}})
+    return out
+
+
 def clipped(kernels, start, end, pred):
     """(start, end) of the profiled kernels whose name satisfies `pred`, clipped to the window
     and relative to its start."""
@@ -714,6 +736,8 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             if ev:
                 ev[1].record()
             marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
+            if prof is not None:  # a marker between microbatches: kernel time per microbatch
+                torch.cuda._sleep(1)
         if args.sync_debug and device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
         if prof is not None:  # ... and its end, before the barrier's own kernels
@@ -744,9 +768,9 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                               round(h * 1e3, 2)] for n, e, h in marks]}
         if prof is not None:
             events = prof.events()
-            row.update(kernel_breakdown(
-                [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA],
-                launch_times(events)))
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            row.update(kernel_breakdown(kernels, launch_times(events)))
+            row["kernel_ms_by_micro"] = kernel_ms_by_window(kernels)
         else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
             row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0,
                        blocked_in_work_s=0.0, host_gap_s=0.0)
@@ -826,6 +850,8 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "wall_s_per_rank_last": [r["rows"][-1]["wall_s"] for r in per_rank],
         "work_s_per_rank_last": [r["rows"][-1]["work_s"] for r in per_rank],
         "per_micro_last": [r["rows"][-1]["per_micro"] for r in per_rank],
+        "profiled_kernel_ms_by_micro": [r["profiled"].get("kernel_ms_by_micro")
+                                        for r in per_rank],
         "allocator_per_rank": [r["allocator"] for r in per_rank],
     }
 

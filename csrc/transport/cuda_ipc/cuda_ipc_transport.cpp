@@ -63,7 +63,10 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   }
   check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), rank_,
         "cudaDeviceGetAttribute");
-  ctas_ = 2 * sm_count_;
+  // One block per SM: the kernels overlap FSDP2's copies and the model's kernels, and a second
+  // resident block per SM slowed those (FSDP2's all-gather copy-out 2.3x) more than it sped
+  // the transport up (docs/benchmarks.md, issue 30, "Fifth session").
+  ctas_ = sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
   if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
   int major = 0;

@@ -135,7 +135,7 @@ class CudaIpcTransport : public Transport {
   const int world_;
   const int device_;
   int sm_count_ = 0;
-  // Thread blocks per gather / push launch (over all peers): ODC_CUDA_CTAS, default 2 per SM.
+  // Thread blocks per gather / push launch (over all peers): ODC_CUDA_CTAS, default 1 per SM.
   // ODC_CUDA_FUSED=0 falls back to per-peer copy-engine reads and per-peer push kernels.
   int ctas_ = 0;
   bool fused_ = true;

@@ -892,16 +892,25 @@ std::vector<size_t> OdcBackend::publishShards(const std::vector<int64_t>& keys,
           // Every source tensor of every key to publish, and its place in the key's cache (a
           // view of the region in the key's gather dtype): one multi-tensor copy, which also
           // casts to the gather dtype exactly as FSDP2's own all-gather copy-in does.
+          // The cache views name their device: from_blob would otherwise ask the driver where
+          // each pointer lives (one query per tensor, ~150 per minibatch for a 16-layer model).
+          // FSDP2's shards are flat already and are passed as they are.
+          const c10::Device on =
+              device >= 0 ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))
+                          : c10::Device(c10::kCPU);
           std::vector<at::Tensor> dst, src;
           for (size_t n = 0; n < todo.size(); ++n) {
             const auto& spec = layout.key(todo[n]);
-            auto options = at::TensorOptions().dtype(scalarTypeOf(spec.gather_dtype));
-            if (device >= 0) options = options.device(c10::kCUDA, device);
+            const auto options =
+                at::TensorOptions().dtype(scalarTypeOf(spec.gather_dtype)).device(on);
             auto* at_byte = static_cast<uint8_t*>(caches[n]);
             for (const auto& t : sources[index[todo[n]]]) {
               if (t.numel() == 0) continue;
-              dst.push_back(at::from_blob(at_byte, {t.numel()}, options));
-              src.push_back(t.view({t.numel()}));
+              dst.push_back(at::for_blob(at_byte, {t.numel()})
+                                .options(options)
+                                .target_device(on)
+                                .make_tensor());
+              src.push_back(t.dim() == 1 ? t : t.view({t.numel()}));
               at_byte += static_cast<size_t>(t.numel()) * elementSize(spec.gather_dtype);
             }
           }

@@ -44,6 +44,7 @@ FIXED_PLANS = {
 }
 WANT_COUNTS = [[3, 1], [0, 4]]
 LORA_KINDS = ("lora", "sft_lora")
+AUTO_KINDS = ("auto", "sft_auto")  # no cap given: each step's cap follows from the trainer's
 
 
 def sequences() -> list[list[int]]:
@@ -118,8 +119,11 @@ def train(kind: str, odc: bool, cuda: bool = False) -> dict:
 
     data = [{"input_ids": s} for s in sequences()]
     model = build_model(lora=kind in LORA_KINDS)
-    extra = {"odc": ODCConfig(max_tokens_per_microbatch=40, planner=planner)} if odc else {}
-    if kind in ("sft", "sft_lora"):
+    # The AUTO_KINDS run LB-Mini with the derived cap (ODCConfig's defaults).
+    config = ODCConfig() if kind in AUTO_KINDS else ODCConfig(max_tokens_per_microbatch=40,
+                                                               planner=planner)
+    extra = {"odc": config} if odc else {}
+    if kind in ("sft", "sft_lora", "sft_auto"):
         import datasets
         from trl import SFTConfig, SFTTrainer
 
@@ -167,9 +171,9 @@ try:
 
     # sft_lora: accelerate finds no final norm in a PEFT model and shards lm_head alone, a unit
     # TRL's fused LM head reads without calling it (the adapter unshards it per forward).
-    KINDS = ["full", "lora", "sft", "sft_lora"]
+    KINDS = ["full", "lora", "sft", "sft_lora", "auto", "sft_auto"]
 except ImportError:  # the SFTTrainer case needs TRL
-    KINDS = ["full", "lora"]
+    KINDS = ["full", "lora", "auto"]
 
 
 @functools.cache
@@ -202,8 +206,11 @@ def check(kind, reference, odc):
     for rank, out in enumerate(r[kind] for r in odc):
         # Uneven counts with a zero, then LB-Mini's plan (the same on both ranks).
         counts = [s["microbatches"] for s in out["odc_steps"]]
-        assert counts[:2] == WANT_COUNTS and len(counts) == STEPS, counts
-        assert sum(counts[2]) >= 2, counts
+        if kind in AUTO_KINDS:
+            check_derived_cap(out["odc_steps"])
+        else:
+            assert counts[:2] == WANT_COUNTS, counts
+        assert len(counts) == STEPS and sum(counts[2]) >= 2, counts
         assert out["trainable"] == want["trainable"]
         if kind in LORA_KINDS:
             assert all("lora_" in n for n in out["trainable"]), out["trainable"]
@@ -219,6 +226,20 @@ def check(kind, reference, odc):
         if kind == "full":
             assert out["logs"][-1]["num_input_tokens_seen"] == sum(len(s) for s in sequences())
         assert all(h["grad_norm"] > MAX_GRAD_NORM for h in out["logs"])  # clipping acted
+
+
+def check_derived_cap(steps):
+    """Without a cap, every step's cap is the padded size of the largest microbatch the
+    unmodified trainer runs in that step (PER_DEVICE consecutive sequences of the step, padded
+    to the longest; on CPU ranks nothing is measured or subtracted), and no ODC microbatch
+    holds more padded tokens than it."""
+    seqs, per_step = sequences(), PER_DEVICE * WORLD
+    for s, record in enumerate(steps):
+        step = [len(x) for x in seqs[s * per_step:(s + 1) * per_step]]  # sequential order
+        plain = max(len(step[i:i + PER_DEVICE]) * max(step[i:i + PER_DEVICE])
+                    for i in range(0, per_step, PER_DEVICE))
+        assert record["plain_tokens"] == plain and record["cap"] == plain, (s, record, step)
+        assert 0 < record["padded_tokens"] <= plain or record["microbatches"].count(0), record
 
 
 def _collective_per_microbatch(rank, world):

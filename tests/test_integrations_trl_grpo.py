@@ -59,6 +59,11 @@ CASES = {
     # The default planner (LB-Mini, its shares given to the ranks holding most of their rows).
     "dr_grpo_iter2": ({"loss_type": "dr_grpo", "num_iterations": 2, "epsilon": 0.05},
                       {"rebalance": True, "planner": None}, False, "one"),
+    # No cap given: each step's cap is the largest TRL microbatch's padded size (on CPU ranks
+    # nothing is measured or subtracted), LB-Mini moves rows, each rank packs by padded size.
+    "dapo_derived_cap": ({"loss_type": "dapo", "gradient_accumulation_steps": 2},
+                         {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None},
+                         True, "one"),
     # A generation spanning 2 optimizer steps (steps_per_generation 4, 2 TRL microbatches per
     # step), sequence-level importance sampling, the KL term with its bias correction.
     "cispo_spg": ({"loss_type": "cispo", "steps_per_generation": 4,
@@ -354,6 +359,10 @@ def check(case, reference, odc):
             assert sum(s["moved"] for s in steps) > 0, steps
         if "planner" not in options:  # uneven microbatch counts (LB-Mini's may come out even)
             assert any(c[0] != c[1] for c in counts), counts
+        if options.get("max_tokens_per_microbatch", CAP) is None:
+            for s in steps:  # the derived cap: TRL's largest microbatch, never exceeded
+                assert s["cap"] == s["plain_tokens"] > 0, s
+                assert s["padded_tokens"] <= s["cap"], s
         assert_params_match(want, out, initial, rank, ATOL)
         assert len(out["logs"]) == len(want["logs"]) == STEPS
         # Losses within 1e-6 relative. On-policy GRPO losses cancel to ~0 (advantages sum to

@@ -73,17 +73,24 @@ class ODCConfig:
     Attributes:
         max_tokens_per_microbatch: token cap of one microbatch (unpadded tokens; the collator
             pads each microbatch to its longest sequence). A longer sequence gets a microbatch
-            of its own, with a warning.
+            of its own, with a warning. ``None`` (the default): the cap of each step follows
+            from the unmodified trainer's own microbatches (``per_device_train_batch_size``
+            rows, padded), so that ODC needs no more memory than the run it replaces (see
+            ``_AutoCap``): the step's microbatches hold at most as many padded tokens as the
+            largest microbatch the unmodified trainer would run in that step, less ODC's own
+            memory (its published shard cache) at the activation bytes per token measured in
+            the first step.
         cost: LB-Mini's cost model: ``"tokens"``, ``"flops"`` or a callable length -> cost,
             e.g. a fitted :class:`torch_odc.balance.TimeCost` (docs/balance.md).
         cost_args: keyword arguments of the cost model (``"flops"``: ``num_params``, ...).
         planner: replaces LB-Mini: ``planner(lengths, world_size, step)`` returns, per rank,
             its microbatches as lists of positions into ``lengths``; every rank must return the
-            same plan. Checked to cover every sequence exactly once.
+            same plan. Checked to cover every sequence exactly once. Needs an explicit
+            ``max_tokens_per_microbatch`` only if the planner reads it.
         eager_publish: passed to :func:`torch_odc.attach`.
     """
 
-    max_tokens_per_microbatch: int
+    max_tokens_per_microbatch: int | None = None
     cost: Any = "tokens"
     cost_args: dict = dataclasses.field(default_factory=dict)
     planner: Planner | None = None
@@ -91,9 +98,14 @@ class ODCConfig:
 
     def __post_init__(self):
         cap = self.max_tokens_per_microbatch
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int, got "
-                             f"{cap!r}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int or None "
+                             f"(derived from the trainer's own microbatches), got {cap!r}")
+
+    @property
+    def auto_cap(self) -> bool:
+        """Whether each step's cap is derived (no explicit cap, LB-Mini plans)."""
+        return self.max_tokens_per_microbatch is None and self.planner is None
 
 
 class ODCStep:
@@ -102,13 +114,20 @@ class ODCStep:
     ``counts[r]`` is rank r's number of microbatches in the step, ``indices`` this rank's
     dataset indices per microbatch, ``step``/``epoch`` where the step is in the epoch. It is not
     a mapping of model inputs (``"labels" in step`` is False), so the Trainer's loop counts and
-    gathers nothing from it."""
+    gathers nothing from it. With the derived cap (``ODCConfig.max_tokens_per_microbatch=None``)
+    the loader hands out every rank's rows of the step (``assigned``, dataset indices) and this
+    rank's features uncollated; the trainer packs and collates them in its own process
+    (``_odc_materialize``), where the cap is known."""
 
-    __slots__ = ("counts", "epoch", "indices", "microbatches", "step")
+    __slots__ = ("assigned", "cap", "collate", "counts", "epoch", "features", "indices",
+                 "microbatches", "plain_tokens", "step")
 
-    def __init__(self, microbatches, counts, indices, epoch, step):
+    def __init__(self, microbatches, counts, indices, epoch, step, *, assigned=None,
+                 features=None, collate=None, plain_tokens=None):
         self.microbatches, self.counts, self.indices = microbatches, counts, indices
         self.epoch, self.step = epoch, step
+        self.assigned, self.features, self.collate = assigned, features, collate
+        self.plain_tokens, self.cap = plain_tokens, None
 
     def __contains__(self, key) -> bool:
         return False
@@ -118,22 +137,137 @@ class ODCStep:
                 f"{self.counts})")
 
 
+# -- the derived cap --------------------------------------------------------------------------
+#
+# A microbatch's activations grow with its padded tokens: rows x the longest sequence for the
+# default collators (every row padded to the longest), the tokens themselves for padding-free
+# collators. The unmodified trainer runs per_device_train_batch_size consecutive rows of the
+# step's order per microbatch (accelerate's seedable sampler, the order _StepData follows), so
+# the largest padded microbatch it would run in a step is known before the step. The derived
+# cap keeps every ODC microbatch at or below it, less the memory ODC holds beside FSDP2's (the
+# published shard cache and control words; its accumulators replace FSDP2's sharded .grad).
+
+
+def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False) -> int:
+    """The tokens of one microbatch of ``rows`` (each a tuple of its sequences' lengths: one
+    for a language-modeling row, two for a preference pair) once collated: every sequence
+    padded to the longest, or concatenated when ``padding_free``."""
+    if not rows:
+        return 0
+    if padding_free:
+        return sum(sum(r) for r in rows)
+    return sum(len(r) for r in rows) * max(max(r) for r in rows)
+
+
+def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
+                             padding_free: bool = False) -> int:
+    """The padded tokens of the largest microbatch the unmodified trainer runs of ``rows`` (a
+    step's rows in order): consecutive groups of ``per_device`` rows."""
+    return max(padded_tokens(rows[i:i + per_device], padding_free)
+               for i in range(0, len(rows), per_device))
+
+
+def pack_padded(positions: Sequence[int], size: Callable[[list[int]], int], cap: int
+                ) -> list[list[int]]:
+    """``positions`` into microbatches of at most ``cap`` padded tokens (``size(microbatch)``),
+    largest rows first, each microbatch filled in that order until the next row would pass the
+    cap; a row above the cap alone. Sorted by size, rows of similar length share a microbatch,
+    which keeps the padding small. Deterministic (ties by position)."""
+    order = sorted(positions, key=lambda i: (-size([i]), i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and size([*cur, i]) > cap:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class _AutoCap:
+    """Each step's token cap when none is given (GPU ranks measure, CPU ranks do not).
+
+    ``cap(plain)``: the step's cap from ``plain``, the padded tokens of the largest microbatch
+    the unmodified trainer would run in it. Until the activation bytes per token are known, half
+    of ``plain`` (the first step measures them); then ``plain`` less ODC's extra bytes (shard
+    cache and control words) in tokens. On CPU ranks ``plain`` itself.
+
+    The measurement: per microbatch of the first step, the allocator's growth from the
+    microbatch's start to the end of its forward (the activations kept for the backward,
+    logits and loss included) per padded token, taken from the largest microbatch; the ranks
+    agree on the smallest (one all-reduce, so every rank derives the same cap and the same
+    plan). The backward's peak per token is higher than what the forward keeps, so the
+    correction in tokens errs on the side of less memory."""
+
+    def __init__(self):
+        self.bytes_per_token: float | None = None
+        self.extra_bytes = 0
+        self._sample: tuple[int, float] | None = None  # (padded tokens, bytes/token)
+        self._start: tuple[int, int] | None = None
+
+    @staticmethod
+    def measures() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def cap(self, plain: int) -> int:
+        if not self.measures():
+            return plain
+        if self.bytes_per_token is None:
+            return max(1, plain // 2)
+        return max(1, plain - math.ceil(self.extra_bytes / self.bytes_per_token))
+
+    @property
+    def measuring(self) -> bool:
+        return self.bytes_per_token is None and self.measures()
+
+    def start(self, tokens: int) -> None:
+        self._start = (tokens, torch.cuda.memory_allocated())
+
+    def after_forward(self, *_args) -> None:
+        if self._start is None:
+            return
+        tokens, before = self._start
+        self._start = None
+        grown = torch.cuda.memory_allocated() - before
+        if tokens > 0 and grown > 0 and (self._sample is None or tokens > self._sample[0]):
+            self._sample = (tokens, grown / tokens)
+
+    def finish_step(self, handle) -> None:
+        """After the first measured step's barrier (every rank): agree on the bytes per token
+        and read ODC's extra bytes from the handle."""
+        if not self.measuring:
+            return
+        mine = self._sample[1] if self._sample is not None else math.inf
+        memory = handle.stats().get("memory", {}) if handle is not None else {}
+        extra = memory.get("published_cache_bytes", 0) + memory.get("control_bytes", 0)
+        t = torch.tensor([-mine, float(extra)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if math.isfinite(-float(t[0])):
+            self.bytes_per_token = -float(t[0])
+            self.extra_bytes = int(t[1])
+        self._sample = None
+
+
 class _LBMini:
     """The default planner (a class, not a closure: DataLoader workers may pickle it).
 
     ``costs``, when given, are the rows' modeled costs (a row of several sequences, such as a
     preference pair, costs the sum of its sequences' costs, which a nonlinear cost model does
-    not give for the summed length); the token cap still applies to ``lengths``."""
+    not give for the summed length); the token cap still applies to ``lengths``. ``cap``
+    replaces the configured cap (the derived cap's step)."""
 
     def __init__(self, config: ODCConfig):
         self.config = config
 
-    def __call__(self, lengths, world_size, step, costs=None):
+    def __call__(self, lengths, world_size, step, costs=None, cap=None):
         c = self.config
+        cap = cap if cap is not None else c.max_tokens_per_microbatch
         if costs is None:
-            return balance.plan(lengths, world_size, c.max_tokens_per_microbatch, mode="mini",
+            return balance.plan(lengths, world_size, cap, mode="mini",
                                 cost=c.cost, **c.cost_args).microbatches
-        cap = c.max_tokens_per_microbatch
         result = balance._plan_arrays(array.array("q", lengths), array.array("d", costs),
                                       world_size, cap, "mini")
         if result.oversized and cap > 1:
@@ -188,10 +322,13 @@ class _StepData(torch.utils.data.Dataset):
     Runs in the DataLoader's workers when there are any; holds no trainer."""
 
     def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
-                 drop_last, costs=None):
+                 drop_last, costs=None, rows=None, per_device=None, padding_free=False):
         self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
         self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        # The derived cap (rows given): per row its sequences' lengths, the unmodified
+        # trainer's rows per microbatch, and how the collator lays rows out.
+        self.rows, self.per_device, self.padding_free = rows, per_device, padding_free
         self._orders: dict[int, list[int]] = {}
 
     def __len__(self) -> int:  # what the Trainer reports as "Num examples"
@@ -218,6 +355,16 @@ class _StepData(torch.utils.data.Dataset):
         epoch, step = key
         ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
         lengths = [self.lengths[i] for i in ids]
+        if self.rows is not None:  # the derived cap: LB-Mini assigns rows to ranks here
+            plain = plain_largest_microbatch([self.rows[i] for i in ids], self.per_device,
+                                             self.padding_free)
+            costs = [self.costs[i] for i in ids] if self.costs is not None else None
+            plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=plain),
+                                 len(ids), self.world, step)
+            assigned = [[ids[j] for mb in p for j in mb] for p in plan]
+            features = {i: self.dataset[i] for i in assigned[self.rank]}
+            return ODCStep(None, None, None, epoch, step, assigned=assigned, features=features,
+                           collate=self.collate, plain_tokens=plain)
         if self.costs is not None and isinstance(self.planner, _LBMini):
             plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
         else:
@@ -313,6 +460,59 @@ class _AcceleratorWithPlugin:
             self._accelerator.wait_for_everyone()
 
 
+def _load_models_whole(cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The trainer's constructor arguments, with models given by name loaded whole on one
+    device. TRL loads such a model with ``device_map="auto"`` unless accelerate's job is
+    MULTI_GPU or DeepSpeed; with FSDP it is neither, so on a host with more GPUs than ranks
+    "auto" spreads the model over every visible GPU behind accelerate's dispatch hooks (rank 1's
+    embedding on cuda:0, its inputs on cuda:1). FSDP2 shards a model that lives on one device:
+    ``device_map=None`` is set in ``model_init_kwargs`` (on a copy of the arguments) unless the
+    user chose a device map, which is refused."""
+    import inspect
+
+    # The first constructor past the mixins that names its parameters (a subclass's
+    # ``__init__(self, *args, **kwargs)`` passes them on).
+    sig = None
+    for c in cls.__mro__:
+        if issubclass(c, ODCTrainerMixin) or "__init__" not in vars(c):
+            continue
+        try:
+            candidate = inspect.signature(c.__init__)
+        except (TypeError, ValueError):
+            return args, kwargs
+        if not any(p.kind == p.VAR_POSITIONAL for p in candidate.parameters.values()):
+            sig = candidate
+            break
+    if sig is None:
+        return args, kwargs
+    try:
+        bound = sig.bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    targs, model = bound.arguments.get("args"), bound.arguments.get("model")
+    if not isinstance(model, str) or not hasattr(targs, "model_init_kwargs"):
+        return args, kwargs
+    init = dict(targs.model_init_kwargs or {})
+    if init.get("device_map", None) is not None:
+        raise ValueError(
+            f"torch_odc.integrations.hf: model_init_kwargs device_map={init['device_map']!r}: "
+            "under FSDP2 every rank holds its shard of a model on its own device; leave "
+            "device_map unset (the adapter loads the model whole, device_map=None)")
+    init["device_map"] = None
+    targs = copy.copy(targs)
+    targs.model_init_kwargs = init
+    bound.arguments["args"] = targs
+    out: dict = {}
+    for i, (name, param) in enumerate(sig.parameters.items()):
+        if i == 0 or name not in bound.arguments:  # self
+            continue
+        if param.kind == param.VAR_KEYWORD:
+            out.update(bound.arguments[name])
+        else:
+            out[name] = bound.arguments[name]
+    return (), out
+
+
 class ODCTrainerMixin:
     """Mixes ODC into a ``transformers.Trainer`` subclass: ``class T(ODCTrainerMixin, Trainer)``
     (or :func:`odc_trainer`). The constructor takes one keyword more, ``odc=ODCConfig(...)``.
@@ -321,11 +521,15 @@ class ODCTrainerMixin:
     and the step's label tokens."""
 
     def __init__(self, *args, odc: ODCConfig | None = None, **kwargs):
+        if odc is None:
+            odc = self._odc_default_config()
         if not isinstance(odc, ODCConfig):
-            raise TypeError("torch_odc.integrations.hf: pass odc=ODCConfig("
-                            "max_tokens_per_microbatch=...) to the trainer")
+            raise TypeError("torch_odc.integrations.hf: odc= takes an ODCConfig (or None for "
+                            f"the defaults), got {type(odc).__name__}")
+        args, kwargs = _load_models_whole(type(self), args, kwargs)
         super().__init__(*args, **kwargs)
         self.odc = odc
+        self._odc_autocap = _AutoCap()
         self._odc_check_args()
         # The step's sequences: the Trainer's global batch (its "total train batch size").
         self._odc_sequences_per_step = (self._train_batch_size * self.args.world_size
@@ -371,6 +575,15 @@ class ODCTrainerMixin:
         self.add_callback(ODCTrainerCallback())
 
     # -- set-up ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _odc_default_config() -> ODCConfig:
+        return ODCConfig()
+
+    def _odc_padding_free(self) -> bool:
+        """Whether the collator concatenates a microbatch's rows instead of padding them
+        (what a microbatch's padded tokens count, for the derived cap)."""
+        return False
 
     def _odc_check_args(self) -> None:
         a, where = self.args, "torch_odc.integrations.hf"
@@ -490,7 +703,10 @@ class ODCTrainerMixin:
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
             costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
+            **({"rows": rows, "per_device": self._train_batch_size,
+                "padding_free": self._odc_padding_free()} if self.odc.auto_cap else {}),
         )
+        self._odc_rows_of_dataset = rows
         self._odc_steps_per_epoch = steps.num_steps()
         return _StepLoader(
             steps, batch_sampler=_StepKeys(steps), collate_fn=_only,
@@ -756,6 +972,8 @@ class ODCTrainerMixin:
                             "module's own train dataloader, got " + type(inputs).__name__)
         step = inputs
         self._odc_check_position(step)
+        if step.assigned is not None and step.microbatches is None:
+            self._odc_materialize(step)
         # Until the barrier returns, a checkpoint is refused (see _odc_check_save_point).
         self._odc_step_in_progress = step
         # The loss's denominators (the step's label tokens, ...) over all ranks, known before
@@ -771,23 +989,61 @@ class ODCTrainerMixin:
         self._odc_sums = dict.fromkeys(keys, 0.0)
         total = torch.zeros((), device=self.args.device)
         self._odc_in_step = True
+        probe = self._odc_probe(model)
         try:
             for batch in step.microbatches:
                 if "input_tokens" in self._odc_sums:
                     self._odc_sums["input_tokens"] += self._odc_input_tokens(batch)
+                if probe is not None:
+                    self._odc_autocap.start(self._odc_batch_tokens(batch))
                 total = total + super().training_step(model, batch, num_items)
         finally:
             self._odc_in_step = False
+            if probe is not None:
+                probe.remove()
         # After this rank's last backward, before the Trainer clips and takes the grad norm.
         torch_odc.minibatch_barrier()
         self._odc_step_in_progress = None
+        if probe is not None:
+            self._odc_autocap.finish_step(self._odc_handle)
         if keys:
             self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
                 [self._odc_sums[k] for k in keys]), strict=True)))
-        self.odc_steps.append({"epoch": step.epoch, "step": step.step,
-                               "microbatches": list(step.counts),
-                               **{k: int(v) for k, v in self._odc_totals.items()}})
+        record = {"epoch": step.epoch, "step": step.step, "microbatches": list(step.counts),
+                  **{k: int(v) for k, v in self._odc_totals.items()}}
+        if step.cap is not None:
+            record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
+                (self._odc_batch_tokens(b) for b in step.microbatches), default=0))
+        self.odc_steps.append(record)
         return total.detach()
+
+    # -- the derived cap -----------------------------------------------------------------------
+
+    def _odc_materialize(self, step: ODCStep) -> None:
+        """Packs every rank's rows of a step planned for the derived cap into microbatches of
+        at most the step's cap in padded tokens (every rank computes every rank's packing, the
+        same way: the counts agree) and collates this rank's."""
+        rows, free = self._odc_rows_of_dataset, self._odc_padding_free()
+        step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
+        per_rank = [pack_padded(a, lambda mb: padded_tokens([rows[i] for i in mb], free), cap)
+                    for a in step.assigned]
+        mine = per_rank[self.args.process_index]
+        step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
+        step.counts, step.indices = [len(p) for p in per_rank], mine
+        step.features = None
+
+    def _odc_probe(self, model):
+        """While the derived cap is still measuring (the first step on GPUs): a forward hook
+        on the model that tells _AutoCap where each microbatch's forward ends."""
+        if not (self.odc.auto_cap and self._odc_autocap.measuring):
+            return None
+        return model.register_forward_hook(self._odc_autocap.after_forward)
+
+    def _odc_batch_tokens(self, batch) -> int:
+        """A collated microbatch's tokens as the model sees them (padding included)."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        t = batch.get(main) if hasattr(batch, "get") else None
+        return int(t.numel()) if isinstance(t, torch.Tensor) else 0
 
     def _odc_check_position(self, step: ODCStep) -> None:
         """The step the loader handed out must be the one the Trainer is at: after a resume the

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 import torch_odc
 
-from ._core import ODCConfig, ODCTrainerMixin, _checked_plan, _LBMini
+from ._core import ODCConfig, ODCTrainerMixin, _checked_plan, _LBMini, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
@@ -119,6 +119,11 @@ class _Rows:
         """Unpadded tokens per row (prompt + completion): what a microbatch's cap counts."""
         return (self.meta[:, 2] + self.meta[:, 3]).clamp(min=1).tolist()
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """(prompt length, completion length) per row: a microbatch is padded to its longest
+        prompt plus its longest completion (the derived cap's padded tokens)."""
+        return [tuple(r) for r in self.meta[:, 2:4].tolist()]
+
 
 class ODCGRPOTrainerMixin(ODCTrainerMixin):
     """For TRL's ``GRPOTrainer``: ``class T(ODCGRPOTrainerMixin, GRPOTrainer)`` (or
@@ -138,6 +143,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_acc: dict | None = None
 
     # -- set-up ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _odc_default_config() -> ODCConfig:
+        return ODCGRPOConfig()
 
     def _odc_check_args(self) -> None:
         super()._odc_check_args()
@@ -231,14 +240,16 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         step = self.state.global_step
         rows, meta = self._odc_rows(slices, rank)
-        planner = self.odc.planner or _LBMini(self.odc)
+        # The unmodified trainer's microbatches are TRL's slices as they are: their tensors'
+        # size is what the derived cap matches.
+        plain = max(s["prompt_ids"].numel() + s["completion_ids"].numel() for s in slices)
+        self._odc_cap = None
         if self._odc_rebalance and world > 1:
-            rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, planner, step)
+            rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, step, plain)
             counts, rollouts = plan_counts
         else:
             lengths = rows.lengths()
-            plan = _checked_plan(planner(lengths, 1, step), len(lengths), 1, step) if lengths \
-                else [[]]
+            plan = self._odc_plan(lengths, rows.shapes(), 1, step, plain) if lengths else [[]]
             mine, counts, rollouts = plan[0], None, None
             meta = {(rank, k): v for k, v in meta.items()}
             self._odc_moved = 0
@@ -246,18 +257,63 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_acc = self._odc_new_accumulators(g, rows.meta.device)
         total = torch.zeros((), device=self.args.device)
         self._odc_in_step = True
+        probe = self._odc_probe(model)
+        padded = 0
         try:
             for micro in mine:
                 batch = self._odc_microbatch(rows, weights, micro)
+                tokens = self._odc_batch_tokens(batch)
+                padded = max(padded, tokens)
+                if probe is not None:
+                    self._odc_autocap.start(tokens)
                 total = total + Trainer.training_step(self, model, batch, None)
         finally:
             self._odc_in_step = False
+            if probe is not None:
+                probe.remove()
         # After this rank's last backward, before the Trainer clips and takes the grad norm.
         torch_odc.minibatch_barrier()
+        if probe is not None:
+            self._odc_autocap.finish_step(self._odc_handle)
         counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
-        self.odc_steps.append({"step": step, "microbatches": counts, "rollouts": rollouts,
-                               "moved": self._odc_moved})
+        record = {"step": step, "microbatches": counts, "rollouts": rollouts,
+                  "moved": self._odc_moved}
+        if self._odc_cap is not None:
+            record.update(cap=self._odc_cap[0], plain_tokens=self._odc_cap[1],
+                          padded_tokens=padded)
+        self.odc_steps.append(record)
         return total.detach()
+
+    def _odc_batch_tokens(self, batch) -> int:
+        return int(batch["prompt_ids"].numel() + batch["completion_ids"].numel())
+
+    def _odc_padded(self, shapes) -> int:
+        """A microbatch's tokens once laid out as _odc_microbatch does: its longest prompt plus
+        its longest completion (rounded up to pad_to_multiple_of), per row."""
+        if not shapes:
+            return 0
+        pw = max(p for p, _ in shapes)
+        cw = max(1, max(c for _, c in shapes))
+        if self.pad_to_multiple_of:
+            m = self.pad_to_multiple_of
+            pw, cw = -(-pw // m) * m, -(-cw // m) * m
+        return len(shapes) * (pw + cw)
+
+    def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
+        """The step's plan (per rank, its microbatches as positions into ``lengths``): the
+        user's planner or LB-Mini at the configured cap; with the derived cap, LB-Mini assigns
+        the rows to ranks and each rank's rows are packed into microbatches of at most the
+        step's cap in padded tokens (``plain``: the largest TRL microbatch of the step)."""
+        planner = self.odc.planner or _LBMini(self.odc)
+        if not self.odc.auto_cap:
+            return _checked_plan(planner(lengths, world, step), len(lengths), world, step)
+        cap = self._odc_autocap.cap(plain)
+        self._odc_cap = (cap, plain)
+        plan = _checked_plan(planner(lengths, world, step, cap=max(plain, max(lengths))),
+                             len(lengths), world, step)
+        return [pack_padded([i for m in p for i in m],
+                            lambda mb: self._odc_padded([shapes[i] for i in mb]), cap)
+                for p in plan]
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -328,13 +384,14 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_layout_cache = layout
         return rows, slice_meta
 
-    def _odc_exchange(self, rows: _Rows, slice_meta: dict, planner, step: int):
+    def _odc_exchange(self, rows: _Rows, slice_meta: dict, step: int, plain: int):
         """LB-Mini over every rank's rows of the step; the rows move to the ranks it names.
         Returns the rows this rank runs, the slices' normalizers of every rank, ((microbatches
         per rank), (rollouts per rank)) and this rank's microbatches as positions into its rows."""
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         layout = self._odc_layout_cache
-        info = {"lengths": rows.lengths(), "slices": slice_meta,
+        info = {"lengths": rows.lengths(), "shapes": rows.shapes(), "plain": plain,
+                "slices": slice_meta,
                 "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
                 "prompt": rows.tensors["prompt_ids"].size(1),
                 "completion": rows.tensors["completion_ids"].size(1),
@@ -350,7 +407,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         for other in infos:
             offsets.append(offsets[-1] + len(other["lengths"]))
         lengths = [n for other in infos for n in other["lengths"]]
-        plan = _checked_plan(planner(lengths, world, step), len(lengths), world, step)
+        shapes = [tuple(x) for other in infos for x in other["shapes"]]
+        plan = self._odc_plan(lengths, shapes, world, step,
+                              max(other["plain"] for other in infos))
         owner = [r for r in range(world) for _ in infos[r]["lengths"]]
         if self.odc.planner is None:  # LB-Mini's rank labels are arbitrary: keep rows in place
             plan = _keep_in_place(plan, owner, world)

@@ -29,6 +29,9 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
         if self.args.loss_type not in ("nll", "dft"):
             raise ValueError(f"{where}: loss_type={self.args.loss_type!r} is not supported")
 
+    def _odc_padding_free(self) -> bool:
+        return bool(getattr(self.args, "padding_free", False))
+
     def _odc_metric_keys(self) -> tuple[str, ...]:
         return (*super()._odc_metric_keys(), "valid", "entropy", "correct", "tokens")
 

@@ -1,33 +1,45 @@
 """TRL trainers under ODC vs the unmodified trainer with FSDP2 over NCCL, on the same data: the
 runnable examples of docs/examples/ launched with torchrun, once per variant, each writing its
-per-step log; this script reads the logs and reports per GPU the rollouts (or samples) per
-second and the tokens per second, as JSON and PNG in --out, and a table last.
+per-step log; this script reads the logs and reports per GPU the rows (sequences, pairs or
+rollouts) per second and the tokens per second, the peak memory per rank and the planner's
+bound, as JSON and PNG in --out, one row per trainer in --summary (trainers.json), and a
+table last.
 
-    python benchmarks/bench_trl.py grpo --out benchmarks/results             # 2 GPUs
-    python benchmarks/bench_trl.py grpo --cpu --out /tmp/bench_trl           # CPU smoke test
+    python benchmarks/bench_trl.py sft --nproc 2 --out benchmarks/results   # SFTTrainer, 2 GPUs
+    python benchmarks/bench_trl.py dpo --nproc 4 --out benchmarks/results   # DPOTrainer, 4 GPUs
+    python benchmarks/bench_trl.py grpo --nproc 2 --out benchmarks/results  # GRPOTrainer
+    python benchmarks/bench_trl.py sft --cpu --out /tmp/bench_trl           # CPU smoke test
     python benchmarks/bench_trl.py grpo --out DIR -- --size medium --steps 6 # example arguments
 
 Everything after ``--`` goes to the example unchanged (both variants). Steps before --warmup are
-left out of the rates (the first ones compile kernels and grow the allocator).
+left out of the rates (the first ones compile kernels and grow the allocator; ODC's first step
+measures the activation bytes per token at half the derived cap).
+
+Both variants run the example with the same arguments: ``odc`` with ``odc_trainer(...)`` on the
+"odc" group and no ``max_tokens_per_microbatch`` (the derived cap: no ODC microbatch holds more
+padded tokens than the largest one the unmodified trainer runs in the same step, less ODC's
+shard cache); ``plain`` the unmodified trainer on an NCCL group, FSDP2 as accelerate sets it up
+(on CPU: Gloo, and accelerate uses DDP). The data are long-tailed: lengths log-uniform between
+the example's minimum and maximum (SFT sequences; DPO prompts and completions; GRPO prompts,
+completions ending at an EOS whose bias sets their mean), in the same sequential order.
+
+Reported per variant: tokens/s per GPU (non-padding tokens of the measured steps over their
+time), seconds per step, each rank's peak memory (torch's allocator peak plus the memory ODC
+holds outside it), and for GRPO the rollout phase (generation, rewards, old/reference log-probs)
+and the update phase (the rest: what ODC changes) apart. The planner's bound: the sum over the
+measured steps of the slowest rank's padded tokens as the unmodified trainer runs them, over the
+same under ODC's plan (each step's work is proportional to its padded tokens), the speed-up that
+balancing alone allows on this data. For GRPO the bound and the row's speed-up are the update
+phase's.
 
 Modes. ``MODES`` maps a name to a :class:`Mode`: the example script, its log file, its
-arguments on GPUs and for the CPU smoke test, the variants (name -> extra arguments) and
-``summarize(steps, world)`` turning the measured steps of one variant into the reported numbers.
-Adding a trainer (``dpo``) is one more entry.
+arguments on GPUs and for the CPU smoke test, the variants (name -> extra arguments) and the
+unit of a row. grpo also has the variant ``odc-local`` (``--variants``): ODC without moving
+rollouts between ranks. Plain GRPO decodes with ``synced_gpus`` (FSDP2's per-layer all-gathers
+are collectives: ranks must decode the same number of steps).
 
-grpo: docs/examples/trl_grpo.py (HF generation, no vLLM). ``odc``: odc_trainer(GRPOTrainer) on
-the "odc" group, rollouts moved between ranks by LB-Mini and packed into token-capped
-microbatches; ``odc-local`` (with ``--variants``): the same without moving rollouts; ``plain``: the unmodified GRPOTrainer on an NCCL group, FSDP2 as accelerate sets
-it up (on CPU: Gloo, and accelerate uses DDP), decoding with ``synced_gpus`` (FSDP2's per-layer
-all-gathers are collectives: ranks must decode the same number of steps). A step is one
-generation round and one optimizer step; a rollout is one completion; tokens are prompt +
-completion tokens (TRL's ``num_input_tokens_seen``). Also reported: the rollout phase
-(generation, rewards, old/reference log-probs) and the update phase (the rest) per step.
-
-On the GPU machines (no package registry): TRL 1.16 with transformers >= 5.23 is what the
-adapter is verified with; if the image has other versions, carry wheels
-(``pip download --no-deps trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 -d wheels``
-here, then ``pip install --no-deps wheels/*`` there). The script records every version.
+On the GPU machines (no package registry) the pinned transformers, TRL, peft and datasets are
+carried as wheels (benchmarks/device_trl.sh installs them); the script records every version.
 """
 
 from __future__ import annotations
@@ -54,9 +66,9 @@ class Mode:
     gpu_args: list[str]
     cpu_args: list[str]
     variants: dict[str, list[str]]
-    summarize: Callable[[list[dict], int], dict]
+    unit: str  # what one row of a step is
+    warmup: int = 3  # default steps left out on GPUs
     default_variants: tuple[str, ...] = ("odc", "plain")
-    unit: str = "rollouts"  # what one row of a step is
 
 
 def _rates(steps: list[dict], world: int, unit: str) -> dict:
@@ -64,44 +76,58 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
     rollout = sum(s.get("rollout_seconds", 0.0) for s in steps)
     items = sum(s[unit] for s in steps)
     tokens = sum(s["tokens"] for s in steps)
-    return {
+    out = {
         "steps": len(steps),
         "seconds_per_step": seconds / len(steps),
-        "rollout_seconds_per_step": rollout / len(steps),
-        "update_seconds_per_step": (seconds - rollout) / len(steps),
         f"{unit}_per_s_per_gpu": items / seconds / world,
         "tokens_per_s_per_gpu": tokens / seconds / world,
         f"{unit}_per_step": items / len(steps),
         "tokens_per_step": tokens / len(steps),
     }
-
-
-def _grpo_summary(steps: list[dict], world: int) -> dict:
-    out = _rates(steps, world, "rollouts")
-    out["mean_completion_length"] = (sum(s.get("completions/mean_length", 0.0) for s in steps)
-                                     / len(steps))
+    if any("rollout_seconds" in s for s in steps):
+        out.update(rollout_seconds_per_step=rollout / len(steps),
+                   update_seconds_per_step=(seconds - rollout) / len(steps),
+                   update_tokens_per_s_per_gpu=tokens / (seconds - rollout) / world)
     if steps and "microbatches" in steps[0]:
         out["microbatches_per_rank"] = [s["microbatches"] for s in steps]
+        out["caps"] = [s.get("cap") for s in steps]
+    if steps and "moved" in steps[0]:
         out["rollouts_moved_per_step"] = sum(s["moved"] for s in steps) / len(steps)
+    if steps and all("padded_per_rank" in s for s in steps):
+        plain = sum(max(s["plain_padded_per_rank"]) for s in steps)
+        odc = sum(max(s["padded_per_rank"]) for s in steps)
+        out["bound"] = plain / odc if odc else None
     return out
 
 
+SFT_GPU = ["--size", "1b", "--steps", "14", "--per-device-batch", "2", "--accumulation", "4",
+           "--min-len", "128", "--max-len", "8192"]
 MODES: dict[str, Mode] = {
+    "sft": Mode(
+        example="docs/examples/trl_sft.py", log_name="trl_sft_log.json", gpu_args=SFT_GPU,
+        cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
+                  "--accumulation", "2", "--min-len", "16", "--max-len", "512"],
+        variants={"odc": [], "plain": ["--no-odc"]}, unit="sequences"),
+    "dpo": Mode(
+        example="docs/examples/trl_dpo.py", log_name="trl_dpo_log.json",
+        gpu_args=["--size", "1b", "--steps", "14", "--per-device-batch", "2",
+                  "--accumulation", "4", "--min-prompt", "32", "--max-prompt", "2048",
+                  "--min-completion", "16", "--max-completion", "2048"],
+        cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
+                  "--accumulation", "2", "--max-prompt", "128", "--max-completion", "128"],
+        variants={"odc": [], "plain": ["--no-odc"]}, unit="pairs"),
     "grpo": Mode(
-        example="docs/examples/trl_grpo.py",
-        log_name="trl_grpo_log.json",
-        gpu_args=["--size", "1b", "--steps", "8", "--per-device-batch", "8",
-                  "--accumulation", "4", "--num-generations", "8", "--min-prompt", "64",
-                  "--max-prompt", "2048", "--max-completion", "512",
-                  "--mean-completion", "160", "--max-tokens-per-microbatch", "8192"],
+        example="docs/examples/trl_grpo.py", log_name="trl_grpo_log.json",
+        gpu_args=["--size", "1b", "--steps", "12", "--per-device-batch", "8",
+                  "--accumulation", "2", "--num-generations", "8", "--min-prompt", "64",
+                  "--max-prompt", "2048", "--max-completion", "256",
+                  "--mean-completion", "96"],
         cpu_args=["--cpu", "--size", "tiny", "--steps", "3", "--per-device-batch", "4",
                   "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
-                  "--max-completion", "32", "--mean-completion", "12",
-                  "--max-tokens-per-microbatch", "96"],
+                  "--max-completion", "32", "--mean-completion", "12"],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
         variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"]},
-        summarize=_grpo_summary,
-    ),
+        unit="rollouts", warmup=2),
 }
 
 
@@ -165,7 +191,11 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
     return result, cmd
 
 
-def plot(path: str, name: str, mode: Mode, summary: dict, title: str) -> None:
+def _peak(result: dict) -> list:
+    return result.get("meta", {}).get("peak_memory_gib") or []
+
+
+def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
     try:
         import matplotlib
 
@@ -174,23 +204,46 @@ def plot(path: str, name: str, mode: Mode, summary: dict, title: str) -> None:
     except ImportError:
         return
     variants = list(summary)
+    colors = ["tab:blue", "tab:gray", "tab:green"][:len(variants)]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    for ax, key, label in ((axes[0], f"{mode.unit}_per_s_per_gpu", f"{mode.unit}/s per GPU"),
-                           (axes[1], "tokens_per_s_per_gpu", "tokens/s per GPU")):
-        values = [summary[v][key] for v in variants]
-        bars = ax.bar(variants, values, color=["tab:blue", "tab:gray", "tab:green"][:len(values)])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_ylabel(label)
-    ax = axes[2]
-    roll = [summary[v]["rollout_seconds_per_step"] for v in variants]
-    upd = [summary[v]["update_seconds_per_step"] for v in variants]
-    ax.bar(variants, roll, label="rollout (generation, scoring)", color="tab:orange")
-    ax.bar(variants, upd, bottom=roll, label="update", color="tab:purple")
+    key = ("update_tokens_per_s_per_gpu" if "update_tokens_per_s_per_gpu" in summary[variants[0]]
+           else "tokens_per_s_per_gpu")
+    values = [summary[v][key] for v in variants]
+    bars = axes[0].bar(variants, values, color=colors)
+    axes[0].bar_label(bars, fmt="%.4g", fontsize=8)
+    axes[0].set_ylabel("update tokens/s per GPU" if key.startswith("update") else
+                       "tokens/s per GPU")
+    ax = axes[1]
+    if "rollout_seconds_per_step" in summary[variants[0]]:
+        roll = [summary[v]["rollout_seconds_per_step"] for v in variants]
+        upd = [summary[v]["update_seconds_per_step"] for v in variants]
+        ax.bar(variants, roll, label="rollout (generation, scoring)", color="tab:orange")
+        ax.bar(variants, upd, bottom=roll, label="update", color="tab:purple")
+        ax.legend(fontsize=7)
+    else:
+        ax.bar(variants, [summary[v]["seconds_per_step"] for v in variants], color=colors)
     ax.set_ylabel("seconds per step")
-    ax.legend(fontsize=7)
+    ax = axes[2]
+    peak = [max((p for p in peaks[v] if p is not None), default=0.0) for v in variants]
+    bars = ax.bar(variants, peak, color=colors)
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_ylabel("peak memory per rank (GiB, max)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def update_summary(path: str, row: dict) -> None:
+    """Replaces the row of (trainer, gpus, kind) in the trainers' summary JSON."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f).get("rows", [])
+    key = (row["trainer"], row["gpus"], row["kind"])
+    rows = [r for r in rows if (r["trainer"], r["gpus"], r["kind"]) != key] + [row]
+    rows.sort(key=lambda r: (r["kind"], r["gpus"], r["trainer"]))
+    with open(path, "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
 
 
 def main() -> None:
@@ -205,21 +258,25 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs)")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="steps left out of the rates (default: 2 on GPUs, 1 on CPU)")
+                    help="steps left out of the rates (default: the mode's on GPUs, 1 on CPU)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated variants (default: odc,plain; grpo also has "
                          "odc-local, ODC without moving rollouts)")
+    ap.add_argument("--summary", default=None,
+                    help="trainers.json to update with this run's row (odc and plain needed)")
+    ap.add_argument("--kind", default=os.environ.get("ODC_DEVICE_KIND"),
+                    help="machine kind recorded in the summary row (default $ODC_DEVICE_KIND)")
     args = ap.parse_args(argv)
     mode = MODES[args.mode]
     variants = args.variants.split(",") if args.variants else list(mode.default_variants)
     unknown = [v for v in variants if v not in mode.variants]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; {args.mode} has {list(mode.variants)}")
-    warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
+    warmup = args.warmup if args.warmup is not None else (1 if args.cpu else mode.warmup)
     os.makedirs(args.out, exist_ok=True)
-    stem = f"bench_trl_{args.mode}"
+    stem = f"bench_trl_{args.mode}_{args.nproc}{'cpu' if args.cpu else 'gpu'}"
     workdir = tempfile.mkdtemp(prefix=f"{stem}-")
-    results, summary, commands = {}, {}, {}
+    results, summary, commands, peaks = {}, {}, {}, {}
     with open(os.path.join(args.out, f"{stem}.log"), "w") as log:
         for variant in variants:
             result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu, workdir, log)
@@ -227,28 +284,46 @@ def main() -> None:
             if not steps:
                 raise SystemExit(f"{variant}: no step after --warmup {warmup}")
             results[variant], commands[variant] = result, shlex.join(cmd)
-            summary[variant] = mode.summarize(steps, result["meta"]["world"])
+            summary[variant] = _rates(steps, result["meta"]["world"], mode.unit)
+            peaks[variant] = _peak(result)
+            summary[variant]["peak_memory_gib"] = peaks[variant]
     hardware = _hardware(args.cpu)
-    record = {"mode": args.mode, "hardware": hardware, "nproc": args.nproc,
-              "versions": _versions(), "commit": _commit(), "warmup_steps": warmup,
+    commit = _commit()
+    record = {"mode": args.mode, "hardware": hardware, "kind": args.kind, "nproc": args.nproc,
+              "versions": _versions(), "commit": commit, "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
               "summary": summary, "runs": results}
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(record, f, indent=1)
-    plot(os.path.join(args.out, f"{stem}.png"), stem, mode, summary,
-         f"TRL {args.mode}: ODC vs plain, {args.nproc} ranks on {hardware}")
+    plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
+         f"TRL {args.mode}: ODC vs plain, {args.nproc} ranks on {hardware} "
+         f"({commit[:7] if commit else '?'})")
     unit = mode.unit
     print(f"\nTRL {args.mode}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
     print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
-          f"{'rollout s':>10s} {'update s':>9s}")
+          f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
     for variant, s in summary.items():
+        peak = max((p for p in peaks[variant] if p is not None), default=float("nan"))
         print(f"{variant:10s} {s[f'{unit}_per_s_per_gpu']:16.3f} {s['tokens_per_s_per_gpu']:14.1f} "
-              f"{s['seconds_per_step']:8.2f} {s['rollout_seconds_per_step']:10.2f} "
-              f"{s['update_seconds_per_step']:9.2f}")
+              f"{s['seconds_per_step']:8.3f} {s.get('update_tokens_per_s_per_gpu', 0):13.1f} "
+              f"{peak:9.2f} {s.get('bound') or 0:6.3f}")
     if "odc" in summary and "plain" in summary:
-        ratio = (summary["odc"]["tokens_per_s_per_gpu"]
-                 / summary["plain"]["tokens_per_s_per_gpu"])
-        print(f"odc / plain tokens/s: {ratio:.3f}")
+        key = ("update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu")
+        odc, plain = summary["odc"], summary["plain"]
+        ratio = odc[key] / plain[key]
+        print(f"odc / plain {key}: {ratio:.3f}")
+        if args.summary:
+            def peak_of(v):
+                return max((p for p in peaks[v] if p is not None), default=None)
+
+            update_summary(args.summary, {
+                "trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
+                "commit": commit, "odc_tokens_per_s_per_gpu": odc[key],
+                "base_tokens_per_s_per_gpu": plain[key], "speedup": ratio,
+                "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
+                "bound": odc.get("bound"), "metric": key,
+                "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
+                "result": f"{stem}.json"})
 
 
 if __name__ == "__main__":

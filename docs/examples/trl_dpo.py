@@ -58,6 +58,8 @@ SIZES = {  # LlamaConfig arguments
               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
     "medium": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
                "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8},
+    "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+           "num_hidden_layers": 19, "num_attention_heads": 16, "num_key_value_heads": 8},
 }
 
 
@@ -201,7 +203,9 @@ def train(args, odc: bool) -> dict:
                      "tokens": sum(tokens[(step - 1) * per_step:step * per_step]),
                      **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
             if odc:
-                entry["microbatches"] = trainer.odc_steps[-1]["microbatches"]
+                record = trainer.odc_steps[-1]
+                entry.update({k: record[k] for k in ("microbatches", "cap", "padded_per_rank",
+                                                     "plain_padded_per_rank") if k in record})
             clock[0] = now
             log.append(entry)
             if rank == 0:
@@ -220,8 +224,21 @@ def train(args, odc: bool) -> dict:
     meta = {"mode": "odc" if odc else "plain", "wrapping": wrapping, "size": args.size,
             "ref": args.ref,
             "loss_type": args.loss_type, "world": world, "device": device,
-            "torch": torch.__version__, "pairs_per_step": per_step, "args": vars(args)}
+            "torch": torch.__version__, "pairs_per_step": per_step, "args": vars(args),
+            "peak_memory_gib": peak_memory_gib(trainer)}
     return {"meta": meta, "steps": log}
+
+
+def peak_memory_gib(trainer) -> list:
+    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
+    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
+    peak = None
+    if torch.cuda.is_available():
+        peak = (torch.cuda.max_memory_allocated()
+                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
 
 
 def parser() -> argparse.ArgumentParser:
@@ -240,8 +257,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--min-completion", type=int, default=8)
     ap.add_argument("--max-completion", type=int, default=512)
-    ap.add_argument("--max-tokens-per-microbatch", type=int, default=2048,
-                    help="LB-Mini's cap on a microbatch's pair tokens (a longer pair runs alone)")
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                    help="LB-Mini's cap on a microbatch's pair tokens (a longer pair runs alone); "
+                         "default: derived from TRL's own microbatches (no more memory)")
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-odc", action="store_true",

@@ -117,6 +117,18 @@ def eos_bias(vocab: int, mean_completion: float) -> float:
     return math.log(p * (vocab - 1) / (1.0 - p))
 
 
+def peak_memory_gib(trainer) -> list:
+    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
+    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
+    peak = None
+    if torch.cuda.is_available():
+        peak = (torch.cuda.max_memory_allocated()
+                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -132,7 +144,8 @@ def main() -> None:
                     help="EOS bias: completions end after about this many tokens")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (reference model)")
-    ap.add_argument("--max-tokens-per-microbatch", type=int, default=256)
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                    help="default: derived from TRL's own microbatches (no more memory)")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="each rank packs its own rollouts (no LB-Mini across ranks)")
     ap.add_argument("--plain", action="store_true",
@@ -218,7 +231,9 @@ def main() -> None:
             if not args.plain and trainer.odc_steps:
                 step = trainer.odc_steps[-1]
                 entry.update(microbatches=step["microbatches"], rollouts_per_rank=step["rollouts"],
-                             moved=step["moved"])
+                             moved=step["moved"],
+                             **{k: step[k] for k in ("cap", "padded_per_rank",
+                                                     "plain_padded_per_rank") if k in step})
             clock[0], clock[1], phases["rollout"] = now, tokens, 0.0
             log.append(entry)
             if rank == 0:
@@ -234,6 +249,7 @@ def main() -> None:
     trainer.add_callback(Report())
     trainer.remove_callback(PrinterCallback)  # the Report line instead of the raw log dict
     trainer.train()
+    peaks = peak_memory_gib(trainer)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"
@@ -242,7 +258,8 @@ def main() -> None:
 
         meta = {"variant": "plain" if args.plain else "odc", "size": args.size, "world": world,
                 "device": device, "torch": torch.__version__, "trl": trl.__version__,
-                "transformers": transformers.__version__, "args": vars(args)}
+                "transformers": transformers.__version__, "args": vars(args),
+                "peak_memory_gib": peaks}
         with open(os.path.join(args.out, "trl_grpo_log.json"), "w") as f:
             json.dump({"meta": meta, "steps": log}, f, indent=1)
         try:

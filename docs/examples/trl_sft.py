@@ -46,6 +46,8 @@ SIZES = {  # LlamaConfig arguments
               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
     "medium": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
                "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8},
+    "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+           "num_hidden_layers": 19, "num_attention_heads": 16, "num_key_value_heads": 8},
 }
 
 
@@ -98,6 +100,18 @@ def collate(features):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def peak_memory_gib(trainer) -> list:
+    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
+    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
+    peak = None
+    if torch.cuda.is_available():
+        peak = (torch.cuda.max_memory_allocated()
+                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainer", choices=["sft", "hf"], default="sft")
@@ -110,8 +124,12 @@ def main() -> None:
     ap.add_argument("--accumulation", type=int, default=2, help="gradient_accumulation_steps")
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--max-tokens-per-microbatch", type=int, default=1024,
-                    help="a longer sequence gets a microbatch of its own")
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                    help="a longer sequence gets a microbatch of its own; default: derived from "
+                         "the trainer's own microbatches (no more memory)")
+    ap.add_argument("--no-odc", action="store_true",
+                    help="the unmodified trainer: accelerate's FSDP2 on an NCCL (GPU) or Gloo "
+                         "(CPU: accelerate then uses DDP) process group")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the loss PNG")
     args = ap.parse_args()
@@ -120,7 +138,9 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("odc")  # before the training arguments: accelerate keeps it
+    use_odc = not args.no_odc
+    # Before the training arguments: accelerate keeps the group.
+    dist.init_process_group("odc" if use_odc else "nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -136,49 +156,66 @@ def main() -> None:
         "lr_scheduler_type": "constant", "max_grad_norm": 1.0, "logging_steps": 1,
         "save_strategy": "no", "report_to": [], "disable_tqdm": True, "use_cpu": not cuda,
         "bf16": cuda, "fsdp": True, "fsdp_config": {"version": 2}, "seed": 0,
+        "train_sampling_strategy": "sequential",  # both modes see the same sequences per step
     }
-    odc = ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    odc = {"odc": ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)} \
+        if use_odc else {}
+    wrap = odc_trainer if use_odc else (lambda cls: cls)
     # Sequences longer than the cap run alone in a microbatch: expected here, not worth a warning.
     warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
     if args.trainer == "sft":
         import datasets
         from trl import SFTConfig, SFTTrainer
 
-        trainer = odc_trainer(SFTTrainer)(
+        trainer = wrap(SFTTrainer)(
             model=model, processing_class=build_tokenizer(vocab),
             train_dataset=datasets.Dataset.from_list(data),
             args=SFTConfig(**common, max_length=None,
                            dataset_kwargs={"skip_prepare_dataset": True}),
-            odc=odc)
+            **odc)
     else:
-        trainer = odc_trainer(Trainer)(model=model, args=TrainingArguments(**common),
-                                       train_dataset=data, data_collator=collate, odc=odc)
+        trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
+                                train_dataset=data, data_collator=collate, **odc)
 
-    log, clock = [], [time.perf_counter()]
+    log, clock = [], [None]
 
     class Report(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):
+            if clock[0] is None:
+                clock[0] = time.perf_counter()
+
         def on_log(self, _args, state, control, logs=None, **kwargs):
-            if logs is None or "loss" not in logs or not trainer.odc_steps:
+            if logs is None or "loss" not in logs:
                 return
+            if cuda:
+                torch.cuda.synchronize()
             now = time.perf_counter()
-            step = trainer.odc_steps[-1]
-            entry = {"step": state.global_step, "microbatches": step["microbatches"],
-                     "label_tokens": step["label_tokens"], "seconds": now - clock[0],
+            step = state.global_step
+            entry = {"step": step, "seconds": now - clock[0], "sequences": per_step,
+                     "tokens": sum(len(d["input_ids"])
+                                   for d in data[(step - 1) * per_step:step * per_step]),
                      **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+            if use_odc:
+                record = trainer.odc_steps[-1]
+                entry.update({k: record[k] for k in ("microbatches", "cap", "padded_per_rank",
+                                                     "plain_padded_per_rank") if k in record})
             clock[0] = now
             log.append(entry)
             if rank == 0:
-                print(f"step {entry['step']:3d}  microbatches per rank {entry['microbatches']}  "
-                      f"loss {entry['loss']:.4f}  grad_norm {entry['grad_norm']:.3f}  "
-                      f"{entry['seconds']:.2f} s", flush=True)
+                counts = (f"microbatches per rank {entry['microbatches']}  "
+                          if "microbatches" in entry else "")
+                print(f"step {entry['step']:3d}  {counts}loss {entry['loss']:.4f}  grad_norm "
+                      f"{entry['grad_norm']:.3f}  {entry['seconds']:.2f} s", flush=True)
 
     trainer.add_callback(Report())
     trainer.train()
+    peaks = peak_memory_gib(trainer)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"
         meta = {"trainer": args.trainer, "size": args.size, "lora": args.lora, "world": world,
-                "device": device, "torch": torch.__version__, "args": vars(args)}
+                "device": device, "torch": torch.__version__, "args": vars(args),
+                "variant": "odc" if use_odc else "plain", "peak_memory_gib": peaks}
         with open(os.path.join(args.out, "trl_sft_log.json"), "w") as f:
             json.dump({"meta": meta, "steps": log}, f, indent=1)
         try:
@@ -192,11 +229,14 @@ def main() -> None:
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("training loss (token mean)")
             ax.set_title(f"{args.trainer} {args.size}{' LoRA' if args.lora else ''}, "
-                         f"{world} ranks on {device}, ODC + LB-Mini", fontsize=9)
+                         f"{world} ranks on {device}, "
+                         f"{'ODC + LB-Mini' if use_odc else 'plain'}", fontsize=9)
             fig.tight_layout()
             fig.savefig(os.path.join(args.out, "trl_sft_loss.png"), dpi=120)
         except ImportError:
             pass
+    # The trainer (and accelerate's DDP wrapper on CPU ranks) goes before its process group.
+    del trainer
     dist.destroy_process_group()
 
 

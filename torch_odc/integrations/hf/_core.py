@@ -120,14 +120,15 @@ class ODCStep:
     (``_odc_materialize``), where the cap is known."""
 
     __slots__ = ("assigned", "cap", "collate", "counts", "epoch", "features", "indices",
-                 "microbatches", "plain_tokens", "step")
+                 "microbatches", "order_position", "plain_tokens", "step", "work")
 
     def __init__(self, microbatches, counts, indices, epoch, step, *, assigned=None,
-                 features=None, collate=None, plain_tokens=None):
+                 features=None, collate=None, plain_tokens=None, order_position=None):
         self.microbatches, self.counts, self.indices = microbatches, counts, indices
         self.epoch, self.step = epoch, step
         self.assigned, self.features, self.collate = assigned, features, collate
-        self.plain_tokens, self.cap = plain_tokens, None
+        self.plain_tokens, self.order_position = plain_tokens, order_position
+        self.cap, self.work = None, None
 
     def __contains__(self, key) -> bool:
         return False
@@ -364,7 +365,8 @@ class _StepData(torch.utils.data.Dataset):
             assigned = [[ids[j] for mb in p for j in mb] for p in plan]
             features = {i: self.dataset[i] for i in assigned[self.rank]}
             return ODCStep(None, None, None, epoch, step, assigned=assigned, features=features,
-                           collate=self.collate, plain_tokens=plain)
+                           collate=self.collate, plain_tokens=plain,
+                           order_position={i: j for j, i in enumerate(ids)})
         if self.costs is not None and isinstance(self.planner, _LBMini):
             plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
         else:
@@ -550,6 +552,7 @@ class ODCTrainerMixin:
         self._odc_model_checkpoint = None  # CPU ranks: a model to load once sharded
         self._odc_steps_per_epoch: int | None = None
         self.odc_steps: list[dict] = []
+        self.odc_memory_bytes = 0  # set at train end (see _odc_detach)
         from transformers import TrainerCallback
         from transformers.trainer_callback import ExportableState
 
@@ -666,6 +669,10 @@ class ODCTrainerMixin:
 
     def _odc_detach(self) -> None:
         if self._odc_handle is not None:
+            # What ODC held beside torch's allocator (shard cache, accumulators, control words):
+            # not in torch.cuda.max_memory_allocated(); a run's peak is the sum of both.
+            memory = self._odc_handle.stats().get("memory", {})
+            self.odc_memory_bytes = int(sum(memory.values()))
             self._odc_handle.detach()
             self._odc_handle = None
 
@@ -1013,7 +1020,7 @@ class ODCTrainerMixin:
                   **{k: int(v) for k, v in self._odc_totals.items()}}
         if step.cap is not None:
             record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
-                (self._odc_batch_tokens(b) for b in step.microbatches), default=0))
+                (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work)
         self.odc_steps.append(record)
         return total.detach()
 
@@ -1031,6 +1038,19 @@ class ODCTrainerMixin:
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
         step.counts, step.indices = [len(p) for p in per_rank], mine
         step.features = None
+        # Each rank's padded tokens in the step, under ODC and as the unmodified trainer would
+        # run them (rank r: its consecutive microbatches r, r + W, ... of per_device rows): the
+        # work each rank's step costs, from which benchmarks take the planner's bound.
+        world, per_device = len(step.assigned), self._train_batch_size
+        order = [i for a in step.assigned for i in a]
+        order.sort(key=step.order_position.__getitem__)
+        chunks = [order[i:i + per_device] for i in range(0, len(order), per_device)]
+        step.work = {
+            "padded_per_rank": [sum(padded_tokens([rows[i] for i in mb], free) for mb in p)
+                                for p in per_rank],
+            "plain_padded_per_rank": [
+                sum(padded_tokens([rows[i] for i in c], free) for c in chunks[r::world])
+                for r in range(world)]}
 
     def _odc_probe(self, model):
         """While the derived cap is still measuring (the first step on GPUs): a forward hook

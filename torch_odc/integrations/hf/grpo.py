@@ -242,14 +242,17 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         rows, meta = self._odc_rows(slices, rank)
         # The unmodified trainer's microbatches are TRL's slices as they are: their tensors'
         # size is what the derived cap matches.
-        plain = max(s["prompt_ids"].numel() + s["completion_ids"].numel() for s in slices)
-        self._odc_cap = None
+        sizes = [s["prompt_ids"].numel() + s["completion_ids"].numel() for s in slices]
+        plain = max(sizes)
+        self._odc_cap = self._odc_work = None
+        self._odc_plain_work = [sum(sizes)]
         if self._odc_rebalance and world > 1:
             rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, step, plain)
             counts, rollouts = plan_counts
         else:
             lengths = rows.lengths()
             plan = self._odc_plan(lengths, rows.shapes(), 1, step, plain) if lengths else [[]]
+            self._odc_note_work(plan, rows.shapes())
             mine, counts, rollouts = plan[0], None, None
             meta = {(rank, k): v for k, v in meta.items()}
             self._odc_moved = 0
@@ -279,8 +282,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         record = {"step": step, "microbatches": counts, "rollouts": rollouts,
                   "moved": self._odc_moved}
         if self._odc_cap is not None:
+            # Each rank's padded tokens in the step under ODC (after the exchange) and in TRL's
+            # own microbatches: the work the benchmarks take the planner's bound from.
             record.update(cap=self._odc_cap[0], plain_tokens=self._odc_cap[1],
-                          padded_tokens=padded)
+                          padded_tokens=padded, padded_per_rank=self._odc_work,
+                          plain_padded_per_rank=self._odc_plain_work)
         self.odc_steps.append(record)
         return total.detach()
 
@@ -311,9 +317,16 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_cap = (cap, plain)
         plan = _checked_plan(planner(lengths, world, step, cap=max(plain, max(lengths))),
                              len(lengths), world, step)
-        return [pack_padded([i for m in p for i in m],
+        plan = [pack_padded([i for m in p for i in m],
                             lambda mb: self._odc_padded([shapes[i] for i in mb]), cap)
                 for p in plan]
+        return plan
+
+    def _odc_note_work(self, plan, shapes) -> None:
+        """Each rank's padded tokens under the step's final plan (derived cap only)."""
+        if self._odc_cap is not None:
+            self._odc_work = [sum(self._odc_padded([shapes[i] for i in mb]) for mb in p)
+                              for p in plan]
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -391,6 +404,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         layout = self._odc_layout_cache
         info = {"lengths": rows.lengths(), "shapes": rows.shapes(), "plain": plain,
+                "plain_work": self._odc_plain_work[0],
                 "slices": slice_meta,
                 "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
                 "prompt": rows.tensors["prompt_ids"].size(1),
@@ -410,9 +424,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         shapes = [tuple(x) for other in infos for x in other["shapes"]]
         plan = self._odc_plan(lengths, shapes, world, step,
                               max(other["plain"] for other in infos))
+        self._odc_plain_work = [other["plain_work"] for other in infos]
         owner = [r for r in range(world) for _ in infos[r]["lengths"]]
         if self.odc.planner is None:  # LB-Mini's rank labels are arbitrary: keep rows in place
             plan = _keep_in_place(plan, owner, world)
+        self._odc_note_work(plan, shapes)
         # Rows travel in the order of the destination's plan; the receiver reads them back by
         # that order, per source, from the global plan it computed itself.
         send = [[] for _ in range(world)]

@@ -235,10 +235,11 @@ def check_derived_cap(steps, cuda=False):
     at half of it and later ones less ODC's cache), and no ODC microbatch holds more padded
     tokens than the unmodified trainer's largest."""
     seqs, per_step = sequences(), PER_DEVICE * WORLD
+    plain = 0  # the unmodified trainer's largest microbatch so far (its peak so far)
     for s, record in enumerate(steps):
         step = [len(x) for x in seqs[s * per_step:(s + 1) * per_step]]  # sequential order
-        plain = max(len(step[i:i + PER_DEVICE]) * max(step[i:i + PER_DEVICE])
-                    for i in range(0, per_step, PER_DEVICE))
+        plain = max(plain, *(len(step[i:i + PER_DEVICE]) * max(step[i:i + PER_DEVICE])
+                             for i in range(0, per_step, PER_DEVICE)))
         assert record["plain_tokens"] == plain, (s, record, step)
         if cuda:
             assert record["cap"] <= (plain // 2 if s == 0 else plain), (s, record)

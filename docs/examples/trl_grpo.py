@@ -233,7 +233,8 @@ def main() -> None:
                 entry.update(microbatches=step["microbatches"], rollouts_per_rank=step["rollouts"],
                              moved=step["moved"],
                              **{k: step[k] for k in ("cap", "padded_per_rank",
-                                                     "plain_padded_per_rank") if k in step})
+                                                     "plain_padded_per_rank", "bytes_per_token",
+                                                     "odc_extra_bytes", "plain_tokens") if k in step})
             clock[0], clock[1], phases["rollout"] = now, tokens, 0.0
             log.append(entry)
             if rank == 0:

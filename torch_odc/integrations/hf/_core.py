@@ -77,7 +77,7 @@ class ODCConfig:
             from the unmodified trainer's own microbatches (``per_device_train_batch_size``
             rows, padded), so that ODC needs no more memory than the run it replaces (see
             ``_AutoCap``): the step's microbatches hold at most as many padded tokens as the
-            largest microbatch the unmodified trainer would run in that step, less ODC's own
+            largest microbatch the unmodified trainer would have run so far, less ODC's own
             memory (its published shard cache) at the activation bytes per token measured in
             the first step.
         cost: LB-Mini's cost model: ``"tokens"``, ``"flops"`` or a callable length -> cost,
@@ -191,7 +191,7 @@ class _AutoCap:
     """Each step's token cap when none is given (GPU ranks measure, CPU ranks do not).
 
     ``cap(plain)``: the step's cap from ``plain``, the padded tokens of the largest microbatch
-    the unmodified trainer would run in it. Until the activation bytes per token are known, half
+    the unmodified trainer would have run so far in the epoch (its peak memory so far). Until the activation bytes per token are known, half
     of ``plain`` (the first step measures them); then ``plain`` less ODC's extra bytes (shard
     cache and control words) in tokens. On CPU ranks ``plain`` itself.
 
@@ -218,6 +218,9 @@ class _AutoCap:
         if self.bytes_per_token is None:
             return max(1, plain // 2)
         return max(1, plain - math.ceil(self.extra_bytes / self.bytes_per_token))
+
+    def describe(self) -> dict:
+        return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes}
 
     @property
     def measuring(self) -> bool:
@@ -331,6 +334,7 @@ class _StepData(torch.utils.data.Dataset):
         # trainer's rows per microbatch, and how the collator lays rows out.
         self.rows, self.per_device, self.padding_free = rows, per_device, padding_free
         self._orders: dict[int, list[int]] = {}
+        self._plain_max: tuple[int | None, list[int]] = (None, [])
 
     def __len__(self) -> int:  # what the Trainer reports as "Num examples"
         return len(self.lengths)
@@ -338,6 +342,21 @@ class _StepData(torch.utils.data.Dataset):
     def num_steps(self) -> int:
         n = len(self.lengths)
         return n // self.per_step if self.drop_last else math.ceil(n / self.per_step)
+
+    def plain_up_to(self, epoch: int, step: int) -> int:
+        """The padded tokens of the largest microbatch the unmodified trainer runs in this
+        epoch up to and including ``step``: its peak memory so far, which the derived cap
+        matches (a per-step match would be stricter than the run's peak asks)."""
+        if self._plain_max[0] != epoch:
+            order, n = self.order(epoch), self.num_steps()
+            best, prefix = 0, []
+            for k in range(n):
+                ids = order[k * self.per_step:(k + 1) * self.per_step]
+                best = max(best, plain_largest_microbatch([self.rows[i] for i in ids],
+                                                          self.per_device, self.padding_free))
+                prefix.append(best)
+            self._plain_max = (epoch, prefix)
+        return self._plain_max[1][step]
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's sequence order, the same on every rank (a generator seeded from the
@@ -357,8 +376,7 @@ class _StepData(torch.utils.data.Dataset):
         ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
         lengths = [self.lengths[i] for i in ids]
         if self.rows is not None:  # the derived cap: LB-Mini assigns rows to ranks here
-            plain = plain_largest_microbatch([self.rows[i] for i in ids], self.per_device,
-                                             self.padding_free)
+            plain = self.plain_up_to(epoch, step)
             costs = [self.costs[i] for i in ids] if self.costs is not None else None
             plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=plain),
                                  len(ids), self.world, step)
@@ -1020,7 +1038,8 @@ class ODCTrainerMixin:
                   **{k: int(v) for k, v in self._odc_totals.items()}}
         if step.cap is not None:
             record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
-                (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work)
+                (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work,
+                **self._odc_autocap.describe())
         self.odc_steps.append(record)
         return total.detach()
 

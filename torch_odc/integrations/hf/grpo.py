@@ -243,7 +243,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         # The unmodified trainer's microbatches are TRL's slices as they are: their tensors'
         # size is what the derived cap matches.
         sizes = [s["prompt_ids"].numel() + s["completion_ids"].numel() for s in slices]
-        plain = max(sizes)
+        # The derived cap matches TRL's largest microbatch so far (its peak memory so far).
+        self._odc_plain_max = plain = max(max(sizes), getattr(self, "_odc_plain_max", 0))
         self._odc_cap = self._odc_work = None
         self._odc_plain_work = [sum(sizes)]
         if self._odc_rebalance and world > 1:
@@ -286,7 +287,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             # own microbatches: the work the benchmarks take the planner's bound from.
             record.update(cap=self._odc_cap[0], plain_tokens=self._odc_cap[1],
                           padded_tokens=padded, padded_per_rank=self._odc_work,
-                          plain_padded_per_rank=self._odc_plain_work)
+                          plain_padded_per_rank=self._odc_plain_work,
+                          **self._odc_autocap.describe())
         self.odc_steps.append(record)
         return total.detach()
 

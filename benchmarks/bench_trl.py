@@ -153,6 +153,10 @@ def _hardware(cpu: bool) -> str:
 
 
 def _commit() -> str | None:
+    """$ODC_COMMIT (a device machine's copy of the tree may not carry the checkout's HEAD),
+    else git HEAD."""
+    if os.environ.get("ODC_COMMIT"):
+        return os.environ["ODC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

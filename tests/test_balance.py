@@ -411,3 +411,26 @@ def test_time_cost_validates(kwargs, error):
         balance.TimeCost(**args)
     with pytest.raises(ValueError):
         balance.TimeCost.fit([(0, 1.0)], num_params=1, num_layers=1, hidden_size=1)
+
+
+def test_plan_takes_per_item_costs():
+    """costs= plans items by the given costs (a pair costs the sum of its sequences' costs),
+    the cap still on the lengths: the same plan as the cost model that gives those costs."""
+    lengths = [300, 20, 40, 500, 60, 80, 90, 10]
+    pairs = [(n // 2, n - n // 2) for n in lengths]
+    seq = balance.sequence_costs([x for p in pairs for x in p], "flops", num_params=1e6)
+    costs = [seq[2 * i] + seq[2 * i + 1] for i in range(len(pairs))]
+    got = balance.plan(lengths, 3, 600, costs=costs)
+    assert sorted(i for r in got.microbatches for mb in r for i in mb) == list(range(8))
+    assert sum(got.rank_costs) == pytest.approx(sum(costs))
+    assert max(got.rank_costs) == pytest.approx(got.makespan)
+    # A cost model giving each length exactly these costs plans the same.
+    table = dict(zip(lengths, costs, strict=True))
+    ref = balance.plan(lengths, 3, 600, cost=lambda n: table[n])
+    assert got.microbatches == ref.microbatches
+    with pytest.raises(ValueError, match="costs for"):
+        balance.plan(lengths, 3, 600, costs=costs[:-1])
+    with pytest.raises(ValueError, match="finite"):
+        balance.plan(lengths, 3, 600, costs=[float("nan")] * 8)
+    with pytest.raises(TypeError, match="either costs"):
+        balance.plan(lengths, 3, 600, cost="flops", costs=costs)

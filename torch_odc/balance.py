@@ -36,6 +36,7 @@ __all__ = [
     "flops_cost",
     "plan",
     "plan_for_rank",
+    "sequence_costs",
 ]
 
 CostSpec = str | Callable[[int], float]
@@ -299,12 +300,22 @@ def _plan_arrays(
     return Plan(microbatches, rank_costs, makespan, lower_bound, mode, tuple(oversized))
 
 
+def sequence_costs(lengths: Sequence[int], cost: CostSpec = "tokens", **cost_args) -> list:
+    """The modeled cost of each sequence of ``lengths`` under ``cost`` (as in :func:`plan`).
+    A row of several sequences (a preference pair) costs the sum of its sequences' costs, which
+    a nonlinear model does not give for the summed length: sum these and pass them to
+    :func:`plan` as ``costs``."""
+    return list(_cost_array(_lengths_array(lengths), cost, cost_args))
+
+
 def plan(
     lengths: Sequence[int],
     world_size: int,
     max_tokens_per_microbatch: int,
     mode: str = "mini",
     cost: CostSpec = "tokens",
+    *,
+    costs: Sequence[float] | None = None,
     **cost_args,
 ) -> Plan:
     """Plans one minibatch of sequences with the given token ``lengths`` over ``world_size`` ranks.
@@ -321,6 +332,9 @@ def plan(
         cost: ``"tokens"`` (cost = L), ``"flops"`` (see :func:`flops_cost`; ``cost_args`` may set
             ``num_params``, ``num_layers``, ``hidden_size``, ``training``) or a callable
             ``L -> cost`` returning a finite non-negative number.
+        costs: instead of ``cost``, each item's modeled cost (finite, non-negative), e.g. a
+            row of several sequences costed by :func:`sequence_costs`; the token cap still
+            applies to ``lengths``.
 
     Returns:
         A :class:`Plan`. Every index appears exactly once; every rank gets at least one sequence
@@ -340,7 +354,20 @@ def plan(
     world_size = _check_positive_int(world_size, "world_size")
     cap = _check_positive_int(max_tokens_per_microbatch, "max_tokens_per_microbatch")
     mode = _check_mode(mode)
-    costs = _cost_array(lens, cost, cost_args)
+    if costs is None:
+        costs = _cost_array(lens, cost, cost_args)
+    else:
+        if cost != "tokens" or cost_args:
+            raise TypeError("plan: pass either costs= or a cost model (cost=, cost_args), "
+                            "not both")
+        try:
+            costs = array.array("d", [float(c) for c in costs])
+        except (TypeError, ValueError):
+            raise TypeError("costs must be real numbers") from None
+        if len(costs) != len(lens):
+            raise ValueError(f"{len(costs)} costs for {len(lens)} lengths")
+        if not all(math.isfinite(c) and c >= 0 for c in costs):
+            raise ValueError("costs must be finite and non-negative")
     result = _plan_arrays(lens, costs, world_size, cap, mode)
     if result.oversized and cap > 1:  # a cap of 1: one sequence per microbatch, on purpose
         _warn_oversized(len(result.oversized), cap, stacklevel=2)

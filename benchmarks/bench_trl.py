@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

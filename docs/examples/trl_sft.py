@@ -237,7 +237,7 @@ def main() -> None:
         except ImportError:
             pass
     # The trainer (and accelerate's DDP wrapper on CPU ranks) goes before its process group.
-    del trainer
+    trainer = None
     dist.destroy_process_group()
 
 

@@ -43,7 +43,6 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
 
 from __future__ import annotations
 
-import array
 import copy
 import dataclasses
 import math
@@ -272,11 +271,7 @@ class _LBMini:
         if costs is None:
             return balance.plan(lengths, world_size, cap, mode="mini",
                                 cost=c.cost, **c.cost_args).microbatches
-        result = balance._plan_arrays(array.array("q", lengths), array.array("d", costs),
-                                      world_size, cap, "mini")
-        if result.oversized and cap > 1:
-            balance._warn_oversized(len(result.oversized), cap, stacklevel=2)
-        return result.microbatches
+        return balance.plan(lengths, world_size, cap, mode="mini", costs=costs).microbatches
 
 
 def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig) -> list[float] | None:
@@ -285,7 +280,7 @@ def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig) -> list[float] 
     if all(len(r) == 1 for r in rows):
         return None
     flat = [n for r in rows for n in r]
-    seq = balance._cost_array(balance._lengths_array(flat), config.cost, config.cost_args)
+    seq = balance.sequence_costs(flat, config.cost, **config.cost_args)
     out, at = [], 0
     for r in rows:
         out.append(math.fsum(seq[at:at + len(r)]))

@@ -1,4 +1,6 @@
-// The one pybind11 binding layer of torch-odc. Every C++ symbol Python sees is bound here.
+// The one pybind11 binding layer of torch-odc. Every C++ symbol Python sees is bound here: one
+// function per area (backend, engine lifecycle, keyed collectives, barrier, stats, transport,
+// keyed calls, balance), called in that order from PYBIND11_MODULE at the end.
 #include <pybind11/chrono.h>
 #include <torch/extension.h>
 
@@ -89,53 +91,60 @@ struct KeyCalls {
   torch_odc::KeyGrads grads;
 };
 
-}  // namespace
+using BackendClass =
+    py::class_<torch_odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<torch_odc::OdcBackend>>;
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torch-odc C++ core: on-demand communication backend and balance planner";
-
-  // ---- c10d backend ------------------------------------------------------------------------
+// The c10d backend: construction and the properties torch_odc reads.
+BackendClass bindBackend(py::module_& m) {
   py::module_::import("torch.distributed");  // registers c10d::Backend, the base class below
-  py::class_<torch_odc::OdcBackend, c10d::Backend, c10::intrusive_ptr<torch_odc::OdcBackend>>(
-      m, "OdcBackend")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout,
-                       const c10::intrusive_ptr<c10d::Backend>& cpu_backend,
-                       py::object cuda_factory) {
-             return c10::make_intrusive<torch_odc::OdcBackend>(
-                 store, rank, size, timeout, cpu_backend,
-                 wrapBackendFactory(std::move(cuda_factory)));
-           }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("cpu_backend"), py::arg("cuda_factory") = py::none())
+  BackendClass cls(m, "OdcBackend");
+  cls.def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                      std::chrono::milliseconds timeout,
+                      const c10::intrusive_ptr<c10d::Backend>& cpu_backend,
+                      py::object cuda_factory) {
+            return c10::make_intrusive<torch_odc::OdcBackend>(
+                store, rank, size, timeout, cpu_backend,
+                wrapBackendFactory(std::move(cuda_factory)));
+          }),
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+          py::arg("cpu_backend"), py::arg("cuda_factory") = py::none())
       .def_property_readonly("timeout", &torch_odc::OdcBackend::timeout)
       .def_property_readonly("cpu_backend", &torch_odc::OdcBackend::cpuBackend)
       .def_property_readonly("cuda_backend", &torch_odc::OdcBackend::cudaBackendIfCreated)
-      .def_property_readonly("is_shutdown", &torch_odc::OdcBackend::isShutdown)
-      // On-demand engine (used by torch_odc.attach / minibatch_barrier; private API).
-      .def(
-          "_connect_engine",
-          [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
-            // (name, shard numel, gather dtype, per-parameter gradient numels, accum dtype)
-            std::vector<torch_odc::KeySpec> specs;
-            for (const auto& k : keys) {
-              specs.push_back(torch_odc::KeySpec{k[0].cast<std::string>(), k[1].cast<size_t>(),
-                                                 dtypeFromName(k[2].cast<std::string>()),
-                                                 k[3].cast<std::vector<size_t>>(),
-                                                 dtypeFromName(k[4].cast<std::string>())});
-            }
-            py::gil_scoped_release nogil;
-            self.connectEngine(specs, device_index);
-          },
-          py::arg("keys"), py::arg("device_index") = -1)
+      .def_property_readonly("is_shutdown", &torch_odc::OdcBackend::isShutdown);
+  return cls;
+}
+
+// The on-demand engine's lifecycle (used by torch_odc.attach / minibatch_barrier; private API).
+void bindEngineLifecycle(BackendClass& cls) {
+  cls.def(
+         "_connect_engine",
+         [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
+           // (name, shard numel, gather dtype, per-parameter gradient numels, accum dtype)
+           std::vector<torch_odc::KeySpec> specs;
+           for (const auto& k : keys) {
+             specs.push_back(torch_odc::KeySpec{k[0].cast<std::string>(), k[1].cast<size_t>(),
+                                                dtypeFromName(k[2].cast<std::string>()),
+                                                k[3].cast<std::vector<size_t>>(),
+                                                dtypeFromName(k[4].cast<std::string>())});
+           }
+           py::gil_scoped_release nogil;
+           self.connectEngine(specs, device_index);
+         },
+         py::arg("keys"), py::arg("device_index") = -1)
       .def("_disconnect_engine", &torch_odc::OdcBackend::disconnectEngine,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("_has_engine", &torch_odc::OdcBackend::hasEngine)
       .def("_cuda_transport_problem", &torch_odc::OdcBackend::cudaTransportProblem,
            py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
-           "Collective: why the CUDA IPC transport cannot run on this GPU and group, or ''.")
-      .def_property_readonly(
-          "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch")->epoch(); })
+           "Collective: why the CUDA IPC transport cannot run on this GPU and group, or ''.");
+}
+
+// The keyed collectives FSDP2's comm objects issue: the epoch and what it published, keyed
+// all-gathers and reduce-scatters, and the publication of shards.
+void bindKeyedCollectives(BackendClass& cls) {
+  cls.def_property_readonly(
+         "_epoch", [](torch_odc::OdcBackend& self) { return self.engine("epoch")->epoch(); })
       .def("_published",
            [](torch_odc::OdcBackend& self, size_t key) {
              return self.engine("published")->publishedThisEpoch(key);
@@ -174,9 +183,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("keys"), py::arg("sources"),
           "Publishes the keys not yet published in this minibatch from their all-gather "
-          "inputs (one multi-tensor copy into the shard caches); returns those it published.")
-      .def("_arrive", &torch_odc::OdcBackend::barrierArrive,
-           py::call_guard<py::gil_scoped_release>())
+          "inputs (one multi-tensor copy into the shard caches); returns those it published.");
+}
+
+// The minibatch barrier and the gradient accumulators it hands over.
+void bindBarrier(BackendClass& cls) {
+  cls.def("_arrive", &torch_odc::OdcBackend::barrierArrive,
+          py::call_guard<py::gil_scoped_release>())
       .def("_grad_params", [](torch_odc::OdcBackend& self,
                               size_t key) { return self.engine("grad params")->gradParams(key); })
       .def("_accumulator",
@@ -222,39 +235,47 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("_release", &torch_odc::OdcBackend::barrierRelease, py::arg("zero") = true,
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly(
-          "_arrived", [](torch_odc::OdcBackend& self) { return self.engine("arrived")->arrived(); })
-      .def("_stats", [](torch_odc::OdcBackend& self) {
-        const auto held = self.engine("stats");
-        auto& e = *held;
-        py::dict d;
-        d["rank"] = e.rank();
-        d["minibatch"] = e.epoch();
-        // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
-        // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
-        d["region_bytes"] = e.layout().bytes();
-        // The region by use: published shard caches, gradient accumulators (FSDP2's sharded
-        // .grad are views of them after the barrier), and the rest (control words, flags, lock
-        // words, alignment).
-        py::dict memory;
-        memory["published_cache_bytes"] = e.layout().cacheBytes();
-        memory["accumulator_bytes"] = e.layout().accumBytes();
-        memory["control_bytes"] =
-            e.layout().bytes() - e.layout().cacheBytes() - e.layout().accumBytes();
-        d["memory"] = memory;
-        d["current"] = statsDict(e.currentStats());
-        d["last"] = statsDict(e.lastStats());
-        d["total"] = statsDict(e.totalStats());
-        // The C++ share of the keyed calls' host time (seconds since the group was made).
-        using HostOp = torch_odc::OdcBackend::HostOp;
-        py::dict cpp;
-        cpp["gather"] = self.cppHostSeconds(HostOp::kGather);
-        cpp["push"] = self.cppHostSeconds(HostOp::kPush);
-        cpp["publish"] = self.cppHostSeconds(HostOp::kPublish);
-        d["cpp_host_s"] = cpp;
-        return d;
+      .def_property_readonly("_arrived", [](torch_odc::OdcBackend& self) {
+        return self.engine("arrived")->arrived();
       });
+}
 
+// The engine's statistics: memory, per-minibatch counters and the C++ host time.
+void bindEngineStats(BackendClass& cls) {
+  cls.def("_stats", [](torch_odc::OdcBackend& self) {
+    const auto held = self.engine("stats");
+    auto& e = *held;
+    py::dict d;
+    d["rank"] = e.rank();
+    d["minibatch"] = e.epoch();
+    // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
+    // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
+    d["region_bytes"] = e.layout().bytes();
+    // The region by use: published shard caches, gradient accumulators (FSDP2's sharded
+    // .grad are views of them after the barrier), and the rest (control words, flags, lock
+    // words, alignment).
+    py::dict memory;
+    memory["published_cache_bytes"] = e.layout().cacheBytes();
+    memory["accumulator_bytes"] = e.layout().accumBytes();
+    memory["control_bytes"] =
+        e.layout().bytes() - e.layout().cacheBytes() - e.layout().accumBytes();
+    d["memory"] = memory;
+    d["current"] = statsDict(e.currentStats());
+    d["last"] = statsDict(e.lastStats());
+    d["total"] = statsDict(e.totalStats());
+    // The C++ share of the keyed calls' host time (seconds since the group was made).
+    using HostOp = torch_odc::OdcBackend::HostOp;
+    py::dict cpp;
+    cpp["gather"] = self.cppHostSeconds(HostOp::kGather);
+    cpp["push"] = self.cppHostSeconds(HostOp::kPush);
+    cpp["publish"] = self.cppHostSeconds(HostOp::kPublish);
+    d["cpp_host_s"] = cpp;
+    return d;
+  });
+}
+
+// Which transports this build holds.
+void bindTransport(py::module_& m) {
   m.def("_has_cuda_transport", [] {
 #ifdef ODC_WITH_CUDA
     return true;
@@ -262,6 +283,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+}
+
+// The thread's keyed-call mark and KeyCalls, the gradient notes and common push of one key.
+void bindKeyCalls(py::module_& m) {
   m.def(
       "_set_keyed_call",
       [](int key, bool publish_only, std::vector<uint32_t> params, double scale) {
@@ -345,8 +370,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "holds its placeholder, clears their .grad and the notes and pushes the input (every "
           "trainable parameter in key order): None, or a Work with async_op. Otherwise changes "
           "nothing and returns False.");
+}
 
-  // ---- balance planner (csrc/balance) ------------------------------------------------------
+// The balance planner (csrc/balance).
+void bindBalance(py::module_& m) {
   m.def(
       "_plan_balance",
       [](py::buffer lengths, py::buffer costs, int64_t world_size, int64_t max_tokens, bool micro) {
@@ -396,4 +423,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("max_tokens_per_microbatch"), py::arg("micro"),
       "Plans one minibatch (see torch_odc.balance.plan). Returns (microbatches, rank_costs, "
       "makespan, lower_bound, oversized). Raises ValueError on bad input.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch-odc C++ core: on-demand communication backend and balance planner";
+
+  BackendClass backend = bindBackend(m);
+  bindEngineLifecycle(backend);
+  bindKeyedCollectives(backend);
+  bindBarrier(backend);
+  bindEngineStats(backend);
+  bindTransport(m);
+  bindKeyCalls(m);
+  bindBalance(m);
 }

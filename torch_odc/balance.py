@@ -11,8 +11,9 @@ when ranks synchronize:
   ranks run the same number of microbatches and ``makespan`` is the sum over microbatch index of
   the most expensive rank at that index.
 
-The planning runs in C++ (``csrc/balance/planner.cpp``); see ``docs/balance.md`` for the
-algorithms, the cost model and measured quality.
+The planning runs in C++ (``csrc/balance/``: ``lb_mini.cpp``, ``lb_micro.cpp`` and the shared
+``packing.cpp``); see ``docs/balance.md`` for the algorithms, the cost model and measured
+quality.
 """
 
 from __future__ import annotations

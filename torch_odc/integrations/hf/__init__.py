@@ -12,7 +12,9 @@ step, any number of microbatches per rank (zero included), one barrier per step.
 
 Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
 attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.grpo`,
-:mod:`.dpo`). :func:`odc_trainer` picks the adapter from the trainer class.
+:mod:`.dpo`). :func:`odc_trainer` picks the adapter from the trainer class. :mod:`._compat` lists every name of
+transformers, accelerate and TRL the adapters use beyond the public API (the compatibility
+manifest, checked at construction).
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ import torch.distributed as dist
 import torch_odc
 from torch_odc import balance
 
+from . import _compat
+
 __all__ = ["ODCConfig", "ODCStep", "ODCTrainerMixin"]
 
 IGNORE_INDEX = -100
@@ -535,7 +537,14 @@ class ODCTrainerMixin:
     After training, ``odc_steps`` holds per optimizer step the microbatch count of every rank
     and the step's label tokens."""
 
+    # The compatibility manifest's users this adapter needs (see _compat.require).
+    _odc_compat_users: tuple[str, ...] = ("trainer",)
+    _odc_where = "torch_odc.integrations.hf"
+
     def __init__(self, *args, odc: ODCConfig | None = None, **kwargs):
+        # First: a transformers / accelerate / TRL release without what the adapter uses is
+        # refused here, naming it, not with an AttributeError mid-step.
+        _compat.require(self._odc_compat_users, self._odc_where)
         if odc is None:
             odc = self._odc_default_config()
         if not isinstance(odc, ODCConfig):
@@ -547,7 +556,8 @@ class ODCTrainerMixin:
         self._odc_autocap = _AutoCap()
         self._odc_check_args()
         # The step's sequences: the Trainer's global batch (its "total train batch size").
-        self._odc_sequences_per_step = (self._train_batch_size * self.args.world_size
+        self._odc_sequences_per_step = (_compat.read(self, "_train_batch_size")
+                                        * self.args.world_size
                                         * self.args.gradient_accumulation_steps)
         # The Trainer's loop draws one ODCStep per optimizer step; the counting of input tokens
         # (one gather per microbatch otherwise) moves into the step's metrics reduction.
@@ -567,7 +577,8 @@ class ODCTrainerMixin:
         self.odc_steps: list[dict] = []
         self.odc_memory_bytes = 0  # set at train end (see _odc_detach)
         from transformers import TrainerCallback
-        from transformers.trainer_callback import ExportableState
+
+        ExportableState = _compat.load("transformers.trainer_callback", "ExportableState")
 
         owner = self
 
@@ -637,8 +648,7 @@ class ODCTrainerMixin:
         return n if n is not None else super().get_total_train_batch_size(args)
 
     def _odc_shards_itself(self) -> bool:
-        from accelerate.utils import DistributedType
-
+        DistributedType = _compat.load("accelerate.utils", "DistributedType")
         return (not self.is_fsdp_enabled
                 and self.accelerator.distributed_type == DistributedType.MULTI_CPU)
 
@@ -651,8 +661,11 @@ class ODCTrainerMixin:
         return super().create_optimizer(model)
 
     def _odc_shard_like_accelerate(self) -> None:
-        from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
         from torch.distributed.fsdp import FSDPModule
+
+        FullyShardedDataParallelPlugin = _compat.load("accelerate.utils",
+                                                      "FullyShardedDataParallelPlugin")
+        fsdp2_prepare_model = _compat.load("accelerate.utils", "fsdp2_prepare_model")
 
         if any(isinstance(m, FSDPModule) for m in self.model.modules()):
             return
@@ -666,7 +679,7 @@ class ODCTrainerMixin:
         fsdp2_prepare_model(_AcceleratorWithPlugin(self.accelerator, plugin), self.model)
         self._odc_fsdp_plugin_cpu = plugin  # checkpoints go through it (odc_fsdp_plugin)
         # accelerate's own mark of what it prepared: prepare() then leaves the model as it is.
-        self.model._is_accelerate_prepared = True
+        _compat.write(self.model, "_is_accelerate_prepared", True)
 
     def _odc_attach(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -713,7 +726,8 @@ class ODCTrainerMixin:
         args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
-            self._get_collator_with_removed_columns(self.data_collator, description="training"),
+            _compat.call(self, "_get_collator_with_removed_columns", self.data_collator,
+                         description="training"),
             [sum(r) for r in rows],
             self._odc_sequences_per_step,
             args.world_size,
@@ -723,7 +737,7 @@ class ODCTrainerMixin:
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
             costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
-            **({"rows": rows, "per_device": self._train_batch_size,
+            **({"rows": rows, "per_device": _compat.read(self, "_train_batch_size"),
                 "padding_free": self._odc_padding_free()} if self.odc.auto_cap else {}),
         )
         self._odc_rows_of_dataset = rows
@@ -805,8 +819,9 @@ class ODCTrainerMixin:
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                        cpu_offload=True)
             state_dict = get_model_state_dict(self.model, options=options)
-            self._save(output_dir if output_dir is not None else self.args.output_dir,
-                       state_dict=state_dict)
+            _compat.call(self, "_save",
+                         output_dir if output_dir is not None else self.args.output_dir,
+                         state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
@@ -815,8 +830,10 @@ class ODCTrainerMixin:
         self._odc_check_save_point("saving the optimizer")
         if not self._odc_sharded():
             return super()._save_optimizer_and_scheduler(output_dir)
-        from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
-        from transformers.trainer import SCHEDULER_NAME, get_fsdp_ckpt_kwargs
+        save_fsdp_model = _compat.load("accelerate.utils", "save_fsdp_model")
+        save_fsdp_optimizer = _compat.load("accelerate.utils", "save_fsdp_optimizer")
+        get_fsdp_ckpt_kwargs = _compat.load("transformers.trainer", "get_fsdp_ckpt_kwargs")
+        SCHEDULER_NAME = _compat.load("transformers.trainer", "SCHEDULER_NAME")
 
         plugin = self.odc_fsdp_plugin
         accelerator = self._odc_fsdp_accelerator()
@@ -828,9 +845,8 @@ class ODCTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self._odc_sharded():
-            from accelerate.utils import load_fsdp_model
-            from transformers.trainer import get_fsdp_ckpt_kwargs
-
+            load_fsdp_model = _compat.load("accelerate.utils", "load_fsdp_model")
+            get_fsdp_ckpt_kwargs = _compat.load("transformers.trainer", "get_fsdp_ckpt_kwargs")
             load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(),
                             model if model is not None else self.model, resume_from_checkpoint,
                             **get_fsdp_ckpt_kwargs())
@@ -849,13 +865,10 @@ class ODCTrainerMixin:
         if self._odc_model_checkpoint is not None:
             model_checkpoint, self._odc_model_checkpoint = self._odc_model_checkpoint, None
             self._load_from_checkpoint(model_checkpoint)
-        from accelerate.utils import load_fsdp_optimizer
-        from transformers.trainer import (
-            OPTIMIZER_NAME,
-            OPTIMIZER_NAME_BIN,
-            SCHEDULER_NAME,
-            get_fsdp_ckpt_kwargs,
-        )
+        load_fsdp_optimizer = _compat.load("accelerate.utils", "load_fsdp_optimizer")
+        OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, get_fsdp_ckpt_kwargs = (
+            _compat.load("transformers.trainer", name) for name in
+            ("OPTIMIZER_NAME", "OPTIMIZER_NAME_BIN", "SCHEDULER_NAME", "get_fsdp_ckpt_kwargs"))
 
         # As the Trainer: a checkpoint without optimizer state (save_only_model) loads the model.
         names = os.listdir(checkpoint)
@@ -876,9 +889,8 @@ class ODCTrainerMixin:
     def _load_best_model(self) -> None:
         if not self._odc_sharded():
             return super()._load_best_model()
-        from accelerate.utils import load_fsdp_model
-        from transformers.trainer import get_fsdp_ckpt_kwargs
-
+        load_fsdp_model = _compat.load("accelerate.utils", "load_fsdp_model")
+        get_fsdp_ckpt_kwargs = _compat.load("transformers.trainer", "get_fsdp_ckpt_kwargs")
         load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.model,
                         self.state.best_model_checkpoint, **get_fsdp_ckpt_kwargs())
         return None
@@ -919,7 +931,7 @@ class ODCTrainerMixin:
             labels = batch["shift_labels"]
         elif "labels" in batch:
             labels = batch["labels"]
-            if getattr(self, "_loss_shifts_labels", True):
+            if _compat.read(self, "_loss_shifts_labels", True):
                 labels = labels[..., 1:]
         else:
             raise ValueError("torch_odc.integrations.hf: a microbatch without 'labels': the "
@@ -952,12 +964,11 @@ class ODCTrainerMixin:
         # The Trainer logs the tokens seen only when its own (per-microbatch) count is on; the
         # module counts them once per step instead and logs them the same way.
         if self._odc_tokens_seen not in ("no", False, None):
-            from transformers.trainer_utils import speed_metrics
-
+            speed_metrics = _compat.load("transformers.trainer_utils", "speed_metrics")
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
             if start_time is not None:
                 seen = (self.state.num_input_tokens_seen
-                        - getattr(self, "_initial_num_input_tokens_seen", 0))
+                        - _compat.read(self, "_initial_num_input_tokens_seen", 0))
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         super().log(logs, start_time)
 
@@ -1055,7 +1066,7 @@ class ODCTrainerMixin:
         # Each rank's padded tokens in the step, under ODC and as the unmodified trainer would
         # run them (rank r: its consecutive microbatches r, r + W, ... of per_device rows): the
         # work each rank's step costs, from which benchmarks take the planner's bound.
-        world, per_device = len(step.assigned), self._train_batch_size
+        world, per_device = len(step.assigned), _compat.read(self, "_train_batch_size")
         order = [i for a in step.assigned for i in a]
         order.sort(key=step.order_position.__getitem__)
         chunks = [order[i:i + per_device] for i in range(0, len(order), per_device)]

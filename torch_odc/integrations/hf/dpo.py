@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import _compat
 from ._core import ODCStep, ODCTrainerMixin
 
 __all__ = ["PAIRWISE_LOSS_TYPES", "ODCDPOTrainerMixin"]
@@ -102,7 +103,11 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
       and ``precompute_ref_log_probs`` on several ranks with a dataset that is not on disk.
     """
 
+    _odc_compat_users = ("trainer", "dpo")
+    _odc_where = _WHERE
+
     def __init__(self, *args, **kwargs):
+        _compat.require(self._odc_compat_users, self._odc_where)  # before the checks below
         bound = _constructor_args(type(self), args, kwargs)
         config = bound.get("args")
         if config is not None:
@@ -135,7 +140,7 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         if self.aux_loss_enabled:
             raise ValueError(f"{_WHERE}: the MoE auxiliary loss (router_aux_loss_coef) is a "
                              "per-microbatch mean; not supported (set router_aux_loss_coef=0)")
-        if self._is_vision_dataset:
+        if _compat.read(self, "_is_vision_dataset"):
             raise ValueError(f"{_WHERE}: vision preference datasets are not supported (the "
                              "sequence lengths are known only after the processor runs)")
         if self.args.sync_ref_model:
@@ -183,15 +188,14 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_record_metrics(self, sums: dict[str, float]) -> None:
         super()._odc_record_metrics(sums)
-        m = self._metrics["train"]
+        m = _compat.read(self, "_metrics")["train"]
 
         def ratio(num, den):
             return sums[num] / sums[den] if sums[den] > 0 else 0.0
 
         # TRL's keys, in TRL's order, each the step's value.
         m["entropy"].append(ratio("entropy", "completion_tokens"))
-        self._total_train_tokens += int(sums["attention_tokens"]) // self._tp_size
-        m["num_tokens"] = [self._total_train_tokens]
+        _compat.count_train_tokens(self, int(sums["attention_tokens"]))  # logs num_tokens
         m["logits/chosen"].append(ratio("chosen_logits", "chosen_tokens"))
         m["logits/rejected"].append(ratio("rejected_logits", "rejected_tokens"))
         m["mean_token_accuracy"].append(ratio("chosen_correct", "chosen_tokens"))
@@ -214,9 +218,9 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
     def _odc_reference_logps(self, model, model_kwargs, labels, inputs, seq_len):
         if self.precompute_ref_logps:
             return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        from trl.models.utils import disable_gradient_checkpointing
-        from trl.trainer.utils import use_adapter
-
+        disable_gradient_checkpointing = _compat.load("trl.models.utils",
+                                                      "disable_gradient_checkpointing")
+        use_adapter = _compat.load("trl.trainer.utils", "use_adapter")
         shifted = inputs["completion_mask"][..., 1:]
         with torch.no_grad(), disable_gradient_checkpointing(
                 self.model, self.args.gradient_checkpointing_kwargs):

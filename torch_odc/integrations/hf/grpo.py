@@ -55,12 +55,15 @@ import torch.distributed as dist
 
 import torch_odc
 
+from . import _compat
 from ._core import ODCConfig, ODCTrainerMixin, _checked_plan, _LBMini, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
 WHERE = "torch_odc.integrations.hf (GRPOTrainer)"
-VERIFIED_TRL = "1.16."  # the loss and metric code below follows GRPOTrainer._compute_loss there
+# The loss and metric code below follows GRPOTrainer._compute_loss of this TRL line: any other is
+# refused at construction (the pin in the compatibility manifest, _compat.PINS).
+VERIFIED_TRL = _compat.VERIFIED_TRL_GRPO
 
 # What a TRL slice may hold, by how its rows are laid out. Anything else is refused: the adapter
 # would not know how to trim, move or weight it.
@@ -96,12 +99,6 @@ class ODCGRPOConfig(ODCConfig):
     rebalance: bool = True
 
 
-def _trl_version() -> str:
-    import trl
-
-    return trl.__version__
-
-
 class _Rows:
     """A rank's rollouts of one step as rows: prompt tensors left-padded to one width,
     completion tensors right-padded to one width, and per row (source rank, TRL slice, prompt
@@ -132,6 +129,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     After training, ``odc_steps`` holds per optimizer step every rank's microbatch count and
     rollout count (after rebalancing) and how many rollouts moved."""
 
+    _odc_compat_users = ("trainer", "grpo")
+    _odc_where = WHERE
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # The core runs one Trainer call per optimizer step; here the Trainer keeps calling
@@ -153,11 +153,6 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_user_accumulation = self.args.gradient_accumulation_steps
 
     def _odc_check_loss(self) -> None:
-        version = _trl_version()
-        if not version.startswith(VERIFIED_TRL):
-            raise ValueError(
-                f"{WHERE}: TRL {version}: the adapter reproduces GRPOTrainer's loss of TRL "
-                f"{VERIFIED_TRL}x and is verified against it only; install trl=={VERIFIED_TRL}0")
         a = self.args
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"{WHERE}: loss_type={self.loss_type!r} is not supported "
@@ -177,7 +172,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             raise ValueError(f"{WHERE}: use_vllm=True is not supported yet (its importance "
                              "sampling tensors are not verified here); generate with "
                              "transformers (use_vllm=False)")
-        if getattr(self, "_is_vlm", False):
+        if _compat.read(self, "_is_vlm", False):
             raise ValueError(f"{WHERE}: vision-language models are not supported: image "
                              "tensors are not laid out per rollout")
         if a.include_num_input_tokens_seen not in ("no", False, None):
@@ -218,13 +213,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             self.optimizer.train()
         # TRL's buffering, as GRPOTrainer.training_step would run it for this microbatch.
         self._odc_slices.append(self._prepare_inputs(inputs))
-        self._step += 1
+        _compat.write(self, "_step", _compat.read(self, "_step") + 1)
         if not self.accelerator.gradient_state.sync_gradients:
             self._odc_step_seconds += time.perf_counter() - start
             return torch.zeros((), device=self.args.device)
         slices, self._odc_slices = self._odc_slices, []
         loss = self._odc_run_step(model, slices)
-        self._metrics["train"]["step_time"].append(
+        _compat.read(self, "_metrics")["train"]["step_time"].append(
             self._odc_step_seconds + time.perf_counter() - start)
         self._odc_step_seconds = 0.0
         return loss
@@ -334,7 +329,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_pad_value(self, key: str) -> int:
         if key in ("prompt_ids", "completion_ids"):
-            return self._tokenizer.pad_token_id
+            return _compat.read(self, "_tokenizer").pad_token_id
         return 1 if key == "tool_mask" else 0  # TRL pads tool_mask with 1 (masked by the rest)
 
     def _odc_layout(self, first: dict) -> list[tuple[str, str]]:
@@ -511,11 +506,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_entropy_coef(self) -> float:
         """The entropy bonus's coefficient for this step's microbatches (TRL fixes it at the end
         of the previous step); 0 without the bonus."""
-        if not self._entropy_bonus_enabled:
+        if not _compat.read(self, "_entropy_bonus_enabled"):
             return 0.0
         if self.use_adaptive_entropy:
-            return self.entropy_coef if self._last_world_entropy <= self.args.entropy_target \
-                else 0.0
+            last = _compat.read(self, "_last_world_entropy")
+            return self.entropy_coef if last <= self.args.entropy_target else 0.0
         return self.entropy_coef
 
     def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> dict:
@@ -552,8 +547,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         logits_to_keep = completion_ids.size(1)
         mask = (completion_mask if "tool_mask" not in inputs
                 else completion_mask * inputs["tool_mask"])
-        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True)
+        per_token_logps, entropies, _ = _compat.call(
+            self, "_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
+            logits_to_keep, compute_entropy=True)
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
@@ -615,7 +611,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         fmask = mask.to(per_token_loss.dtype)
         row_loss = (per_token_loss * fmask).sum(-1)
         loss = (row_loss * inputs["_odc_a"].to(row_loss.dtype)).sum()
-        if self._entropy_bonus_enabled:
+        if _compat.read(self, "_entropy_bonus_enabled"):
             row_entropy = (entropies * fmask).sum(-1)
             loss = loss - (row_entropy * inputs["_odc_e"].to(row_entropy.dtype)).sum()
         loss = loss * world
@@ -673,7 +669,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 num, den = per_row(phi_seq, True)
                 add("phi", num)
                 add("row_count", den)
-            if self._entropy_bonus_enabled:
+            if _compat.read(self, "_entropy_bonus_enabled"):
                 add("policy", row_loss.detach().double() * inputs["_odc_p"])
         return loss
 
@@ -701,7 +697,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             counts = [int(c) for c in reduced[g * len(SUMS):g * len(SUMS) + world]]
             rollouts = [int(c) for c in reduced[g * len(SUMS) + world:]]
         sums = torch.tensor(reduced[:g * len(SUMS)], dtype=torch.float64).view(g, len(SUMS))
-        lt, metrics = self.loss_type, self._metrics["train"]
+        lt, metrics = self.loss_type, _compat.read(self, "_metrics")["train"]
         if lt in CLIPPED_LOSSES:
             t = acc["mins"].cpu().flatten()
             if dist.is_initialized() and dist.get_world_size() > 1:
@@ -713,7 +709,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return num / max(den, 1.0)
 
         for s in range(g):
-            if self._entropy_bonus_enabled:
+            if _compat.read(self, "_entropy_bonus_enabled"):
                 metrics["policy_loss"].append(col["policy"][s] / world)
             if self.beta != 0.0:
                 metrics["kl"].append(ratio(col["kl"][s], col["token_count"][s]))
@@ -730,7 +726,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 metrics["cispo_clip_ratio"].append(ratio(col["cispo"][s], col["clip_count"][s]))
             elif lt == "vespo":
                 metrics["vespo/phi_seq_mean"].append(ratio(col["phi"][s], col["row_count"][s]))
-        if self._entropy_bonus_enabled:
+        if _compat.read(self, "_entropy_bonus_enabled"):
             if self.use_adaptive_entropy:
                 # TRL's window-global entropy: every microbatch of the step, all ranks.
                 world_entropy = sum(col["entropy"]) / max(sum(col["token_count"]), 1.0)
@@ -741,7 +737,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 else:
                     self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta,
                                             a.entropy_coef_min)
-                self._last_world_entropy = world_entropy
+                _compat.write(self, "_last_world_entropy", world_entropy)
             metrics["entropy_coef"].append(self.entropy_coef)
         return counts, rollouts
 

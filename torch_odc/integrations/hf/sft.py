@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _compat
 from ._core import ODCTrainerMixin
 
 __all__ = ["ODCSFTTrainerMixin"]
@@ -18,6 +19,9 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
     training microbatches this computes the same loss from the same fused LM head outputs and
     sums the metrics locally; they are all-reduced once per step after the barrier and logged
     as TRL logs them. Evaluation uses TRL's own ``compute_loss``."""
+
+    _odc_compat_users = ("trainer", "sft")
+    _odc_where = "torch_odc.integrations.hf (SFTTrainer)"
 
     def _odc_check_loss(self) -> None:
         where = "torch_odc.integrations.hf (SFTTrainer)"
@@ -37,20 +41,20 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
 
     def _odc_record_metrics(self, sums: dict[str, float]) -> None:
         super()._odc_record_metrics(sums)
-        metrics, valid = self._metrics["train"], sums["valid"]
+        metrics, valid = _compat.read(self, "_metrics")["train"], sums["valid"]
         metrics["entropy"].append(sums["entropy"] / valid if valid > 0 else 0.0)
         metrics["mean_token_accuracy"].append(sums["correct"] / valid if valid > 0 else 0.0)
-        self._total_train_tokens += int(sums["tokens"]) // self._tp_size
-        metrics["num_tokens"] = [self._total_train_tokens]
+        _compat.count_train_tokens(self, int(sums["tokens"]))  # and logs num_tokens
 
     def _odc_checkpoint_state(self) -> dict:
         # TRL's num_tokens is a running total kept on the trainer (TRL itself restarts it at
         # zero on resume); the per-step averages are logged every logging_steps.
-        return {**super()._odc_checkpoint_state(), "total_train_tokens": self._total_train_tokens}
+        return {**super()._odc_checkpoint_state(),
+                "total_train_tokens": _compat.read(self, "_total_train_tokens")}
 
     def _odc_restore_checkpoint_state(self, state: dict) -> None:
         super()._odc_restore_checkpoint_state(state)
-        self._total_train_tokens = int(state["total_train_tokens"])
+        _compat.write(self, "_total_train_tokens", int(state["total_train_tokens"]))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (self._odc_in_step and self.model.training):

@@ -10,7 +10,12 @@ import os
 import types
 
 import torch
-from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform
+
+from . import _compat
+
+PlatformBase = _compat.load("verl.plugin.platform", "PlatformBase")
+PlatformRegistry = _compat.load("verl.plugin.platform", "PlatformRegistry")
+get_platform = _compat.load("verl.plugin.platform", "get_platform")
 
 __all__ = ["PlatformCPU", "use_cpu_platform"]
 

@@ -30,18 +30,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from verl.utils import tensordict_utils as tu
-from verl.utils.metric import AggregationType, Metric
-from verl.workers.config import FSDPEngineConfig
-from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import (
-    FSDPEngineWithLMHead,
-    FSDPEngineWithValueHead,
-)
-from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 import torch_odc
 from torch_odc import balance
+
+from . import _compat
+
+# verl's names, through the compatibility manifest (_compat.py lists each with its release).
+tu = _compat.load("verl.utils", "tensordict_utils")
+AggregationType = _compat.load("verl.utils.metric", "AggregationType")
+Metric = _compat.load("verl.utils.metric", "Metric")
+FSDPEngineConfig = _compat.load("verl.workers.config", "FSDPEngineConfig")
+EngineRegistry = _compat.load("verl.workers.engine.base", "EngineRegistry")
+FSDPEngineWithLMHead = _compat.load("verl.workers.engine.fsdp.transformer_impl",
+                                    "FSDPEngineWithLMHead")
+FSDPEngineWithValueHead = _compat.load("verl.workers.engine.fsdp.transformer_impl",
+                                       "FSDPEngineWithValueHead")
+postprocess_batch_func = _compat.load("verl.workers.engine.utils", "postprocess_batch_func")
+prepare_micro_batches = _compat.load("verl.workers.engine.utils", "prepare_micro_batches")
 
 __all__ = [
     "STRATEGY",
@@ -52,6 +58,7 @@ __all__ = [
 ]
 
 STRATEGY = "odc"
+_WHERE = f"torch_odc verl engine (strategy '{STRATEGY}')"
 _BALANCE = ("local", "mini")
 _COSTS = ("tokens", "flops", "verl")
 
@@ -79,6 +86,7 @@ class ODCEngineConfig(FSDPEngineConfig):
     odc_eager_publish: bool = True
 
     def __post_init__(self):
+        _compat.require("config", _WHERE)
         # FSDPEngineConfig accepts only its own strategy names; "odc" is FSDP2 underneath.
         strategy = self.strategy
         object.__setattr__(self, "strategy", "fsdp2")
@@ -119,12 +127,14 @@ class ODCEngineMixin:
     """What the "odc" engines add to verl's FSDP engines (see the module docstring)."""
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        # First: a verl release without what the engine uses is refused here, naming it.
+        _compat.require("engine", _WHERE)
         # A forward-only engine (verl's reference model: ref.strategy follows actor.strategy)
         # trains nothing: it runs as verl's own FSDP2 engine (CPU-offloaded, equal counts).
         self.odc_active = not engine_config.forward_only
         problem = _refusal(engine_config, model_config) if self.odc_active else None
         if problem:
-            raise NotImplementedError(f"torch_odc verl engine (strategy '{STRATEGY}'): {problem}.")
+            raise NotImplementedError(f"{_WHERE}: {problem}.")
         self.odc_balance = _option(engine_config, "odc_balance")
         self.odc_cost = _option(engine_config, "odc_cost")
         self.odc_eager_publish = _option(engine_config, "odc_eager_publish")
@@ -142,8 +152,7 @@ class ODCEngineMixin:
         super()._init_device_mesh()
         if not self.odc_active:
             return
-        default = dist.distributed_c10d._get_default_group()
-        if isinstance(default._get_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
+        if isinstance(_compat.default_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
             return  # verl's mesh already runs over odc
         # verl initializes the workers' group itself ("cpu:gloo,cuda:nccl"): FSDP2 shards over
         # an odc group of the same ranks instead; verl's own collectives keep the default group.
@@ -168,7 +177,7 @@ class ODCEngineMixin:
         keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         planned = None
         if not forward_only and self.odc_balance == "mini":
-            data, planned = self._lb_mini(data, keep_outputs)
+            data, planned = self._odc_lb_mini(data, keep_outputs)
         # The loss denominators over the DP group, as verl's engine computes them: one
         # all-reduce per mini-batch, which every rank calls once.
         num_tokens = data["loss_mask"].sum().to(torch.device(self.device_mesh.device_type))
@@ -186,7 +195,8 @@ class ODCEngineMixin:
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             sync = (nullcontext() if forward_only
-                    else self._gradient_sync_context(is_last_micro_batch=last))
+                    else _compat.call(self, "_gradient_sync_context",
+                                      is_last_micro_batch=last))
             grad = torch.no_grad() if forward_only else nullcontext()
             with grad, sync, torch.profiler.record_function(f"micro_batch{index}"):
                 loss, meta = self.forward_step(micro_batch, loss_function=loss_function,
@@ -217,7 +227,7 @@ class ODCEngineMixin:
 
     # -- LB-Mini across the data-parallel ranks ------------------------------------------------
 
-    def _lb_mini(self, data, keep_outputs: bool):
+    def _odc_lb_mini(self, data, keep_outputs: bool):
         """Re-partitions the mini-batch's sequences over the DP ranks with LB-Mini and moves
         them there. Returns this rank's rows and its microbatches (lists of row positions)."""
         where = f"torch_odc verl engine, rank {dist.get_rank()}, odc_balance='mini'"
@@ -266,8 +276,8 @@ class ODCEngineMixin:
         if self.odc_cost == "tokens":
             return "tokens"
         if self.odc_cost == "verl":
-            from verl.utils.seqlen_balancing import calculate_workload
-
+            calculate_workload = _compat.load("verl.utils.seqlen_balancing",
+                                              "calculate_workload")
             return lambda n: float(calculate_workload(torch.tensor(n, dtype=torch.int64)))
         config = self.model_config.hf_config
         num_params = sum(p.numel() for p in self.module.parameters()) * dist.get_world_size(

@@ -238,7 +238,8 @@ def test_constructing_the_adapter_without_a_listed_symbol_is_refused_with_its_na
 
 
 ADAPTERS = {
-    "hf": ("_core.py", "sft.py", "dpo.py", "grpo.py"),
+    "hf": ("_core.py", "_config.py", "_steps.py", "_checkpoints.py", "sft.py", "dpo.py",
+           "grpo.py"),
     "verl": ("_engine.py", "_cpu.py"),
 }
 OWN_MODULES = {"torch_odc", "balance", "_compat"}  # torch-odc's own modules

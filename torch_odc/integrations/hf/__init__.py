@@ -6,8 +6,8 @@ step, any number of microbatches per rank (zero included), one barrier per step.
 
     dist.init_process_group("odc")          # before TrainingArguments / SFTConfig
     args = SFTConfig(..., fsdp=True, fsdp_config={"version": 2})
-    trainer = odc_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds,
-                                      odc=ODCConfig(max_tokens_per_microbatch=8192))
+    trainer = odc_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)
+    # odc=ODCConfig(...) changes a default: the cap, the cost model, the planner
     trainer.train()
 
 Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
@@ -19,7 +19,9 @@ manifest, checked at construction).
 
 from __future__ import annotations
 
-from ._core import ODCConfig, ODCStep, ODCTrainerMixin
+from ._config import ODCConfig
+from ._core import ODCTrainerMixin
+from ._steps import ODCStep
 from .dpo import ODCDPOTrainerMixin
 from .grpo import ODCGRPOConfig, ODCGRPOTrainerMixin
 from .sft import ODCSFTTrainerMixin

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _compat
-from ._core import ODCStep, ODCTrainerMixin
+from ._core import ODCTrainerMixin
+from ._steps import ODCStep
 
 __all__ = ["PAIRWISE_LOSS_TYPES", "ODCDPOTrainerMixin"]
 

@@ -56,7 +56,9 @@ import torch.distributed as dist
 import torch_odc
 
 from . import _compat
-from ._core import ODCConfig, ODCTrainerMixin, _checked_plan, _LBMini, pack_padded
+from ._config import ODCConfig
+from ._core import ODCTrainerMixin
+from ._steps import _checked_plan, _LBMini, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 

@@ -1,0 +1,346 @@
+"""Planning a Trainer's optimizer steps: the step loader (one item per optimizer step, this
+rank's microbatches of it), LB-Mini with a token cap, and the derived cap (no more memory than
+the unmodified trainer's microbatches). Runs in DataLoader workers when there are any: nothing
+here holds a trainer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torch_odc import balance
+
+from ._config import ODCConfig
+
+__all__ = ["ODCStep", "pack_padded", "padded_tokens", "plain_largest_microbatch"]
+
+
+class ODCStep:
+    """One optimizer step as this rank sees it: its collated microbatches (possibly none).
+
+    ``counts[r]`` is rank r's number of microbatches in the step, ``indices`` this rank's
+    dataset indices per microbatch, ``step``/``epoch`` where the step is in the epoch. It is not
+    a mapping of model inputs (``"labels" in step`` is False), so the Trainer's loop counts and
+    gathers nothing from it. With the derived cap (``ODCConfig.max_tokens_per_microbatch=None``)
+    the loader hands out every rank's rows of the step (``assigned``, dataset indices) and this
+    rank's features uncollated; the trainer packs and collates them in its own process
+    (``_odc_materialize``), where the cap is known."""
+
+    __slots__ = ("assigned", "cap", "collate", "counts", "epoch", "features", "indices",
+                 "microbatches", "order_position", "plain_tokens", "step", "work")
+
+    def __init__(self, microbatches, counts, indices, epoch, step, *, assigned=None,
+                 features=None, collate=None, plain_tokens=None, order_position=None):
+        self.microbatches, self.counts, self.indices = microbatches, counts, indices
+        self.epoch, self.step = epoch, step
+        self.assigned, self.features, self.collate = assigned, features, collate
+        self.plain_tokens, self.order_position = plain_tokens, order_position
+        self.cap, self.work = None, None
+
+    def __contains__(self, key) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return (f"ODCStep(epoch={self.epoch}, step={self.step}, microbatches per rank "
+                f"{self.counts})")
+
+
+# -- the derived cap --------------------------------------------------------------------------
+#
+# A microbatch's activations grow with its padded tokens: rows x the longest sequence for the
+# default collators (every row padded to the longest), the tokens themselves for padding-free
+# collators. The unmodified trainer runs per_device_train_batch_size consecutive rows of the
+# step's order per microbatch (accelerate's seedable sampler, the order _StepData follows), so
+# the largest padded microbatch it would run in a step is known before the step. The derived
+# cap keeps every ODC microbatch at or below it, less the memory ODC holds beside FSDP2's (the
+# published shard cache and control words; its accumulators replace FSDP2's sharded .grad).
+
+
+def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False) -> int:
+    """The tokens of one microbatch of ``rows`` (each a tuple of its sequences' lengths: one
+    for a language-modeling row, two for a preference pair) once collated: every sequence
+    padded to the longest, or concatenated when ``padding_free``."""
+    if not rows:
+        return 0
+    if padding_free:
+        return sum(sum(r) for r in rows)
+    return sum(len(r) for r in rows) * max(max(r) for r in rows)
+
+
+def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
+                             padding_free: bool = False) -> int:
+    """The padded tokens of the largest microbatch the unmodified trainer runs of ``rows`` (a
+    step's rows in order): consecutive groups of ``per_device`` rows."""
+    return max(padded_tokens(rows[i:i + per_device], padding_free)
+               for i in range(0, len(rows), per_device))
+
+
+def pack_padded(positions: Sequence[int], size: Callable[[list[int]], int], cap: int
+                ) -> list[list[int]]:
+    """``positions`` into microbatches of at most ``cap`` padded tokens (``size(microbatch)``),
+    largest rows first, each microbatch filled in that order until the next row would pass the
+    cap; a row above the cap alone. Sorted by size, rows of similar length share a microbatch,
+    which keeps the padding small. Deterministic (ties by position)."""
+    order = sorted(positions, key=lambda i: (-size([i]), i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and size([*cur, i]) > cap:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class _AutoCap:
+    """Each step's token cap when none is given (GPU ranks measure, CPU ranks do not).
+
+    ``cap(plain)``: the step's cap from ``plain``, the padded tokens of the largest microbatch
+    the unmodified trainer would have run so far in the epoch (its peak memory so far). Until the activation bytes per token are known, half
+    of ``plain`` (the first step measures them); then ``plain`` less ODC's extra bytes (shard
+    cache and control words) in tokens. On CPU ranks ``plain`` itself.
+
+    The measurement: per microbatch of the first step, the allocator's growth from the
+    microbatch's start to the end of its forward (the activations kept for the backward,
+    logits and loss included) per padded token, taken from the largest microbatch; the ranks
+    agree on the smallest (one all-reduce, so every rank derives the same cap and the same
+    plan). The backward's peak per token is higher than what the forward keeps, so the
+    correction in tokens errs on the side of less memory."""
+
+    def __init__(self):
+        self.bytes_per_token: float | None = None
+        self.extra_bytes = 0
+        self._sample: tuple[int, float] | None = None  # (padded tokens, bytes/token)
+        self._start: tuple[int, int] | None = None
+
+    @staticmethod
+    def measures() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def cap(self, plain: int) -> int:
+        if not self.measures():
+            return plain
+        if self.bytes_per_token is None:
+            return max(1, plain // 2)
+        return max(1, plain - math.ceil(self.extra_bytes / self.bytes_per_token))
+
+    def describe(self) -> dict:
+        return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes}
+
+    @property
+    def measuring(self) -> bool:
+        return self.bytes_per_token is None and self.measures()
+
+    def start(self, tokens: int) -> None:
+        self._start = (tokens, torch.cuda.memory_allocated())
+
+    def after_forward(self, *_args) -> None:
+        if self._start is None:
+            return
+        tokens, before = self._start
+        self._start = None
+        grown = torch.cuda.memory_allocated() - before
+        if tokens > 0 and grown > 0 and (self._sample is None or tokens > self._sample[0]):
+            self._sample = (tokens, grown / tokens)
+
+    def finish_step(self, handle) -> None:
+        """After the first measured step's barrier (every rank): agree on the bytes per token
+        and read ODC's extra bytes from the handle."""
+        if not self.measuring:
+            return
+        mine = self._sample[1] if self._sample is not None else math.inf
+        memory = handle.stats().get("memory", {}) if handle is not None else {}
+        extra = memory.get("published_cache_bytes", 0) + memory.get("control_bytes", 0)
+        t = torch.tensor([-mine, float(extra)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if math.isfinite(-float(t[0])):
+            self.bytes_per_token = -float(t[0])
+            self.extra_bytes = int(t[1])
+        self._sample = None
+
+
+class _LBMini:
+    """The default planner (a class, not a closure: DataLoader workers may pickle it).
+
+    ``costs``, when given, are the rows' modeled costs (a row of several sequences, such as a
+    preference pair, costs the sum of its sequences' costs, which a nonlinear cost model does
+    not give for the summed length); the token cap still applies to ``lengths``. ``cap``
+    replaces the configured cap (the derived cap's step)."""
+
+    def __init__(self, config: ODCConfig):
+        self.config = config
+
+    def __call__(self, lengths, world_size, step, costs=None, cap=None):
+        c = self.config
+        cap = cap if cap is not None else c.max_tokens_per_microbatch
+        if costs is None:
+            return balance.plan(lengths, world_size, cap, mode="mini",
+                                cost=c.cost, **c.cost_args).microbatches
+        return balance.plan(lengths, world_size, cap, mode="mini", costs=costs).microbatches
+
+
+def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig) -> list[float] | None:
+    """Per row, the sum of its sequences' modeled costs; None when every row is one sequence
+    (LB-Mini then costs the lengths itself)."""
+    if all(len(r) == 1 for r in rows):
+        return None
+    flat = [n for r in rows for n in r]
+    seq = balance.sequence_costs(flat, config.cost, **config.cost_args)
+    out, at = [], 0
+    for r in rows:
+        out.append(math.fsum(seq[at:at + len(r)]))
+        at += len(r)
+    return out
+
+
+def _checked_plan(plan, n: int, world: int, step: int) -> list:
+    """The plan as lists, refused unless it gives every one of the n sequences to exactly one
+    microbatch: a sequence left out or run twice would silently change the gradient."""
+    if len(plan) != world:
+        raise ValueError(f"torch_odc.integrations.hf: step {step}: the planner returned "
+                         f"{len(plan)} ranks' microbatches for a world of {world}")
+    seen = [0] * n
+    out = []
+    for rank_plan in plan:
+        mbs = []
+        for mb in rank_plan:
+            mb = [int(i) for i in mb]
+            if not mb:
+                raise ValueError(f"torch_odc.integrations.hf: step {step}: an empty microbatch")
+            for i in mb:
+                if not 0 <= i < n:
+                    raise ValueError(f"torch_odc.integrations.hf: step {step}: position {i} is "
+                                     f"outside the step's {n} sequences")
+                seen[i] += 1
+            mbs.append(mb)
+        out.append(mbs)
+    bad = [i for i, c in enumerate(seen) if c != 1]
+    if bad:
+        raise ValueError(f"torch_odc.integrations.hf: step {step}: the plan runs sequences "
+                         f"{bad[:5]} {[seen[i] for i in bad[:5]]} times (must be once each)")
+    return out
+
+
+class _StepData(torch.utils.data.Dataset):
+    """The epoch's optimizer steps: item (epoch, step) is this rank's collated share of it.
+    Runs in the DataLoader's workers when there are any; holds no trainer."""
+
+    def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
+                 drop_last, costs=None, rows=None, per_device=None, padding_free=False):
+        self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
+        self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        # The derived cap (rows given): per row its sequences' lengths, the unmodified
+        # trainer's rows per microbatch, and how the collator lays rows out.
+        self.rows, self.per_device, self.padding_free = rows, per_device, padding_free
+        self._orders: dict[int, list[int]] = {}
+        self._plain_max: tuple[int | None, list[int]] = (None, [])
+
+    def __len__(self) -> int:  # what the Trainer reports as "Num examples"
+        return len(self.lengths)
+
+    def num_steps(self) -> int:
+        n = len(self.lengths)
+        return n // self.per_step if self.drop_last else math.ceil(n / self.per_step)
+
+    def plain_up_to(self, epoch: int, step: int) -> int:
+        """The padded tokens of the largest microbatch the unmodified trainer runs in this
+        epoch up to and including ``step``: its peak memory so far, which the derived cap
+        matches (a per-step match would be stricter than the run's peak asks)."""
+        if self._plain_max[0] != epoch:
+            order, n = self.order(epoch), self.num_steps()
+            best, prefix = 0, []
+            for k in range(n):
+                ids = order[k * self.per_step:(k + 1) * self.per_step]
+                best = max(best, plain_largest_microbatch([self.rows[i] for i in ids],
+                                                          self.per_device, self.padding_free))
+                prefix.append(best)
+            self._plain_max = (epoch, prefix)
+        return self._plain_max[1][step]
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's sequence order, the same on every rank (a generator seeded from the
+        seed and the epoch, like accelerate's seedable sampler)."""
+        if epoch not in self._orders:
+            n = len(self.lengths)
+            if self.shuffle:
+                gen = torch.Generator()
+                gen.manual_seed(self.seed + epoch)
+                self._orders = {epoch: torch.randperm(n, generator=gen).tolist()}
+            else:
+                self._orders = {epoch: list(range(n))}
+        return self._orders[epoch]
+
+    def __getitem__(self, key) -> ODCStep:
+        epoch, step = key
+        ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
+        lengths = [self.lengths[i] for i in ids]
+        if self.rows is not None:  # the derived cap: LB-Mini assigns rows to ranks here
+            plain = self.plain_up_to(epoch, step)
+            costs = [self.costs[i] for i in ids] if self.costs is not None else None
+            plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=plain),
+                                 len(ids), self.world, step)
+            assigned = [[ids[j] for mb in p for j in mb] for p in plan]
+            features = {i: self.dataset[i] for i in assigned[self.rank]}
+            return ODCStep(None, None, None, epoch, step, assigned=assigned, features=features,
+                           collate=self.collate, plain_tokens=plain,
+                           order_position={i: j for j, i in enumerate(ids)})
+        if self.costs is not None and isinstance(self.planner, _LBMini):
+            plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
+        else:
+            plan = self.planner(lengths, self.world, step)
+        plan = _checked_plan(plan, len(ids), self.world, step)
+        mine = [[ids[j] for j in mb] for mb in plan[self.rank]]
+        batches = [self.collate([self.dataset[i] for i in mb]) for mb in mine]
+        return ODCStep(batches, [len(p) for p in plan], mine, epoch, step)
+
+
+class _StepKeys(torch.utils.data.Sampler):
+    """The loader's batch sampler: one batch per optimizer step, holding the step's one key
+    (epoch, step). Being a batch sampler is what lets the Trainer resume mid-epoch: its
+    ``skip_first_batches`` wraps it in a sampler that drops the first k batches (keys only: the
+    skipped steps are neither planned nor collated) and reaches ``set_epoch`` through it. The
+    steps that follow are planned exactly as in the uninterrupted run: a step's plan is a
+    function of (epoch, step) and the dataset only."""
+
+    def __init__(self, steps: _StepData):
+        self.steps, self.epoch = steps, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps.num_steps()
+
+    def __iter__(self):
+        return iter([[(self.epoch, s)] for s in range(len(self))])
+
+
+class _StepLoader(torch.utils.data.DataLoader):
+    """A DataLoader of ODCSteps; the Trainer calls set_epoch on it before every epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _only(items):
+    """The collate function of the step loader: a batch is one ODCStep."""
+    (step,) = items
+    return step
+
+
+def _sequence_lengths(dataset, key: str) -> list[int]:
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset) and key in dataset.column_names:
+            return [len(x) for x in dataset[key]]
+    except ImportError:
+        pass
+    return [len(dataset[i][key]) for i in range(len(dataset))]

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
-from torch_odc.integrations.hf import ODCConfig, odc_trainer
+from torch_odc.integrations.hf import ODCConfig, odc_trainer, peak_memory_gib
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -228,18 +228,6 @@ def train(args, odc: bool) -> dict:
             "torch": torch.__version__, "pairs_per_step": per_step, "args": vars(args),
             "peak_memory_gib": peak_memory_gib(trainer)}
     return {"meta": meta, "steps": log}
-
-
-def peak_memory_gib(trainer) -> list:
-    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
-    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
-    peak = None
-    if torch.cuda.is_available():
-        peak = (torch.cuda.max_memory_allocated()
-                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
 
 
 def parser() -> argparse.ArgumentParser:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
-from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer
+from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer, peak_memory_gib
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -115,18 +115,6 @@ def eos_bias(vocab: int, mean_completion: float) -> float:
     logits are about equal (a randomly initialized model): P(EOS) = 1 / mean."""
     p = 1.0 / max(mean_completion, 1.0)
     return math.log(p * (vocab - 1) / (1.0 - p))
-
-
-def peak_memory_gib(trainer) -> list:
-    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
-    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
-    peak = None
-    if torch.cuda.is_available():
-        peak = (torch.cuda.max_memory_allocated()
-                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
 
 
 def main() -> None:

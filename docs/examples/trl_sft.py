@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
-from torch_odc.integrations.hf import ODCConfig, odc_trainer
+from torch_odc.integrations.hf import ODCConfig, odc_trainer, peak_memory_gib
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -98,18 +98,6 @@ def collate(features):
         ids[row, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
         mask[row, :len(f["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
-def peak_memory_gib(trainer) -> list:
-    """Every rank's peak device memory in GiB (None on CPU): torch's allocator peak plus what
-    ODC holds beside it (``trainer.odc_memory_bytes``; 0 for the plain trainer)."""
-    peak = None
-    if torch.cuda.is_available():
-        peak = (torch.cuda.max_memory_allocated()
-                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from .grpo import ODCGRPOConfig, ODCGRPOTrainerMixin
 from .sft import ODCSFTTrainerMixin
 
 __all__ = ["ODCConfig", "ODCDPOTrainerMixin", "ODCGRPOConfig", "ODCGRPOTrainerMixin",
-           "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer"]
+           "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer", "peak_memory_gib"]
 
 
 def _adapter(trainer_class: type) -> type:
@@ -43,6 +43,23 @@ def _adapter(trainer_class: type) -> type:
     if issubclass(trainer_class, DPOTrainer):
         return ODCDPOTrainerMixin
     return ODCTrainerMixin
+
+
+def peak_memory_gib(trainer) -> list:
+    """After training, every rank's peak device memory in GiB (None on CPU ranks), one gather:
+    torch's allocator peak plus what ODC held beside it (``trainer.odc_memory_bytes``, which
+    ``torch.cuda.max_memory_allocated()`` does not count; 0 for an unmodified trainer). The
+    figure to compare ODC with the trainer it replaces."""
+    import torch
+    import torch.distributed as dist
+
+    peak = None
+    if torch.cuda.is_available():
+        peak = (torch.cuda.max_memory_allocated()
+                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
 
 
 def odc_trainer(trainer_class: type) -> type:

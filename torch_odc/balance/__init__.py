@@ -11,6 +11,8 @@ when ranks synchronize:
   ranks run the same number of microbatches and ``makespan`` is the sum over microbatch index of
   the most expensive rank at that index.
 
+:func:`exchange_rows` (``exchange.py``) then moves a step's rows to the ranks a plan names.
+
 The planning runs in C++ (``csrc/balance/``: ``lb_mini.cpp``, ``lb_micro.cpp`` and the shared
 ``packing.cpp``); see ``docs/balance.md`` for the algorithms, the cost model and measured
 quality.
@@ -27,14 +29,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torch_odc import _C
+from torch_odc.balance.exchange import RowExchange, exchange_rows, keep_in_place
 
 __all__ = [
     "BalancedBatchSampler",
     "OversizedSequenceWarning",
     "Plan",
     "RankPlan",
+    "RowExchange",
     "TimeCost",
+    "exchange_rows",
     "flops_cost",
+    "keep_in_place",
     "plan",
     "plan_for_rank",
     "sequence_costs",

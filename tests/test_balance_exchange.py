@@ -81,6 +81,20 @@ def test_every_rank_gets_exactly_its_planned_rows_bit_for_bit(keep):
         assert moved <= sum(owner[p] != d for d in range(3) for m in plain[d] for p in m)
 
 
+def _swap_single_rows(rank, world):
+    rows = _rows(rank, 1)
+    out = balance.exchange_rows(rows, [[[1]], [[0]]], [1, 1])
+    return out.rows
+
+
+def test_a_single_row_of_several_dtypes_arrives_intact():
+    results = run_ranks(2, _swap_single_rows, backend="gloo", timeout=120)
+    for rank, rows in enumerate(results):
+        expected = _rows(1 - rank, 1)
+        for k in expected:
+            assert torch.equal(rows[k], expected[k]), (rank, k)
+
+
 def test_keep_in_place_gives_each_share_to_the_rank_holding_most_of_it():
     plan = [[[5, 6], [7]], [[0, 1, 2]], [[3, 4, 8]]]  # shares as rows 0-2, 3-5, 6-8 are held
     out = balance.keep_in_place(plan, [3, 3, 3])

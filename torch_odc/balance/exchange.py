@@ -215,7 +215,9 @@ def _move_dense(rows: Mapping, layout, sends, receive_counts, group) -> dict:
                            input_split_sizes=[len(d) for d in sends], group=group)
     out, col, m = {}, 0, recv.size(0)
     for (key, dtype, shape), width in zip(layout, _row_bytes(layout), strict=True):
-        piece = recv[:, col:col + width].contiguous()
+        # A copy with the row stride of this piece alone (.contiguous() keeps a single row's
+        # stride, which a dtype view refuses).
+        piece = recv[:, col:col + width].clone(memory_format=torch.contiguous_format)
         t = piece.view(getattr(torch, dtype.split(".")[1])).reshape(m, *shape)
         out[key] = t.to(rows[key].device)
         col += width

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import torch_odc
+from torch_odc import balance
 
 from . import _compat
 from ._config import ODCConfig
@@ -99,6 +99,10 @@ class ODCGRPOConfig(ODCConfig):
     """
 
     rebalance: bool = True
+
+
+# The rows' meta travels beside TRL's tensors under a name no TRL key has.
+_META = "\0odc_meta"
 
 
 class _Rows:
@@ -397,78 +401,52 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         return rows, slice_meta
 
     def _odc_exchange(self, rows: _Rows, slice_meta: dict, step: int, plain: int):
-        """LB-Mini over every rank's rows of the step; the rows move to the ranks it names.
-        Returns the rows this rank runs, the slices' normalizers of every rank, ((microbatches
-        per rank), (rollouts per rank)) and this rank's microbatches as positions into its rows."""
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        """LB-Mini over every rank's rows of the step; the rows move to the ranks it names
+        (balance.exchange_rows). Returns the rows this rank runs, the slices' normalizers of
+        every rank, ((microbatches per rank), (rollouts per rank)) and this rank's microbatches
+        as positions into its rows."""
+        world = self.accelerator.num_processes
         layout = self._odc_layout_cache
         info = {"lengths": rows.lengths(), "shapes": rows.shapes(), "plain": plain,
                 "plain_work": self._odc_plain_work[0],
                 "slices": slice_meta,
                 "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
                 "prompt": rows.tensors["prompt_ids"].size(1),
-                "completion": rows.tensors["completion_ids"].size(1),
-                "max_id": max(int(rows.tensors["prompt_ids"].max()),
-                              int(rows.tensors["completion_ids"].max())) if len(rows) else 0}
+                "completion": rows.tensors["completion_ids"].size(1)}
         infos = [None] * world
         dist.all_gather_object(infos, info)  # the one exchange of lengths
         for r, other in enumerate(infos):
             if other["layout"] != infos[0]["layout"]:
                 raise ValueError(f"{WHERE}: step {step}: rank {r}'s rollouts carry "
                                  f"{other['layout']}, rank 0's {infos[0]['layout']}")
-        offsets = [0]
-        for other in infos:
-            offsets.append(offsets[-1] + len(other["lengths"]))
         lengths = [n for other in infos for n in other["lengths"]]
         shapes = [tuple(x) for other in infos for x in other["shapes"]]
         plan = self._odc_plan(lengths, shapes, world, step,
                               max(other["plain"] for other in infos))
         self._odc_plain_work = [other["plain_work"] for other in infos]
-        owner = [r for r in range(world) for _ in infos[r]["lengths"]]
-        if self.odc.planner is None:  # LB-Mini's rank labels are arbitrary: keep rows in place
-            plan = _keep_in_place(plan, owner, world)
-        self._odc_note_work(plan, shapes)
-        # Rows travel in the order of the destination's plan; the receiver reads them back by
-        # that order, per source, from the global plan it computed itself.
-        send = [[] for _ in range(world)]
-        for dest in range(world):
-            for micro in plan[dest]:
-                for pos in micro:
-                    if owner[pos] == rank:
-                        send[dest].append(pos - offsets[rank])
-        receive_from = [[pos for micro in plan[rank] for pos in micro if owner[pos] == src]
-                        for src in range(world)]
+        # Every rank's prompts and completions padded to the step's widest, so that rows of
+        # every rank share one layout on the wire.
         P = max(other["prompt"] for other in infos)
         C = max(other["completion"] for other in infos)
-        float64 = (max(other["max_id"] for other in infos) >= 2 ** 24
-                   or any(d == "torch.float64" for _, _, d in infos[0]["layout"]))
-        dtype = torch.float64 if float64 else torch.float32
-        device = rows.meta.device
-        on_cpu = device.type == "cpu" or os.environ.get("ODC_CUDA_COLLECTIVES") == "gloo"
-        order = [i for dest in send for i in dest]
-        out_rows = sum(len(r) for r in receive_from)
-        buf = _pack(rows, order, layout, P, C, dtype, self._odc_pad_value)
-        if on_cpu:
-            buf = buf.cpu()
-        width = buf.size(1)
-        recv = buf.new_empty((out_rows, width))
-        dist.all_to_all_single(recv, buf.contiguous(),
-                               output_split_sizes=[len(r) for r in receive_from],
-                               input_split_sizes=[len(d) for d in send])
-        self._odc_moved = sum(owner[pos] != dest for dest in range(world)
-                              for micro in plan[dest] for pos in micro)
-        new = _unpack(recv.to(device), layout, [getattr(torch, d.split(".")[1])
-                                                for _, _, d in infos[0]["layout"]], P, C)
-        index = {}
-        j = 0
-        for src in range(world):
-            for pos in receive_from[src]:
-                index[pos] = j
-                j += 1
-        mine = [[index[pos] for pos in micro] for micro in plan[rank]]
+        tensors = {}
+        for key, kind in layout:
+            t = rows.tensors[key]
+            if kind == "prompt":
+                t = _fit(t, P, "left", self._odc_pad_value(key))
+            elif kind == "completion":
+                t = _fit(t, C, "right", self._odc_pad_value(key))
+            tensors[key] = t
+        tensors[_META] = rows.meta
+        # LB-Mini's rank labels are arbitrary: keep rows in place where the plan allows.
+        moved = balance.exchange_rows(
+            tensors, plan, [len(other["lengths"]) for other in infos],
+            keep_in_place=self.odc.planner is None, where=f"{WHERE}: step {step}")
+        self._odc_note_work(moved.plan, shapes)
+        self._odc_moved = moved.moved
+        new = _Rows({key: moved.rows[key] for key, _ in layout}, moved.rows[_META])
         meta = {(r, k): v for r, other in enumerate(infos) for k, v in other["slices"].items()}
-        counts = ([len(p) for p in plan], [sum(len(m) for m in p) for p in plan])
-        return new, meta, counts, mine
+        counts = ([len(p) for p in moved.plan], [sum(len(m) for m in p) for p in moved.plan])
+        return new, meta, counts, moved.microbatches
 
     def _odc_row_weights(self, rows: _Rows, slice_meta: dict, g: int) -> dict:
         """Per row: a (weight of its token losses in TRL's step loss), e (of its entropy sum, the
@@ -744,27 +722,6 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         return counts, rollouts
 
 
-def _keep_in_place(plan: list, owner: list[int], world: int) -> list:
-    """The plan's per-rank shares given to the ranks that already hold most of their rows
-    (greedily, largest overlap first): the same balance, fewer rows moved. Depends only on its
-    inputs, so every rank computes the same."""
-    overlap = [[0] * world for _ in range(world)]  # [share][rank]
-    for share, micros in enumerate(plan):
-        for micro in micros:
-            for pos in micro:
-                overlap[share][owner[pos]] += 1
-    pairs = sorted((-overlap[s][r], s, r) for s in range(world) for r in range(world))
-    rank_of, taken = {}, set()
-    for _, share, rank in pairs:
-        if share not in rank_of and rank not in taken:
-            rank_of[share] = rank
-            taken.add(rank)
-    out = [None] * world
-    for share, rank in rank_of.items():
-        out[rank] = plan[share]
-    return out
-
-
 def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
     """t (rows, w) cut or padded to (rows, width): on the left for prompts (their tokens end at
     the right), on the right for completions."""
@@ -775,32 +732,3 @@ def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
         return t[:, w - width:] if side == "left" else t[:, :width]
     pad = t.new_full((t.size(0), width - w), value)
     return torch.cat([pad, t] if side == "left" else [t, pad], dim=1)
-
-
-def _pack(rows: _Rows, order: list[int], layout, P: int, C: int, dtype, pad_value):
-    """The rows at `order` as one (n, width) buffer of `dtype` (token ids below 2**24 and
-    float32 values are exact in float32): prompt tensors (P columns each), completion tensors
-    (C each), per-row values, then the row's meta."""
-    idx = torch.tensor(order, dtype=torch.long, device=rows.meta.device)
-    parts = []
-    for key, kind in layout:
-        t = rows.tensors[key][idx]
-        if kind == "prompt":
-            t = _fit(t, P, "left", pad_value(key))
-        elif kind == "completion":
-            t = _fit(t, C, "right", pad_value(key))
-        else:
-            t = t[:, None]
-        parts.append(t.to(dtype))
-    parts.append(rows.meta[idx].to(dtype))
-    return torch.cat(parts, dim=1)
-
-
-def _unpack(buf: torch.Tensor, layout, dtypes, P: int, C: int) -> _Rows:
-    tensors, col = {}, 0
-    for (key, kind), dtype in zip(layout, dtypes, strict=True):
-        width = P if kind == "prompt" else C if kind == "completion" else 1
-        t = buf[:, col:col + width]
-        tensors[key] = (t if kind != "row" else t[:, 0]).to(dtype).contiguous()
-        col += width
-    return _Rows(tensors, buf[:, col:col + len(_Rows.META)].long())

@@ -24,7 +24,6 @@ gradient averaging divides back out.
 from __future__ import annotations
 
 import copy
-import io
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -241,36 +240,25 @@ class ODCEngineMixin:
             raise NotImplementedError(
                 f"{where}: return_model_output=True would return other ranks' sequences")
         group = self.get_data_parallel_group()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         cap = int(data["max_token_len_per_gpu"])
         local = _row_lengths(data)
         everyone = [None] * world
         dist.all_gather_object(everyone, local, group=group)
         lengths = [n for part in everyone for n in part]
-        owner, offset = [], [0]
-        for r, part in enumerate(everyone):
-            owner += [r] * len(part)
-            offset.append(offset[-1] + len(part))
         if max(lengths) > cap:
             raise ValueError(
                 f"{where}: a sequence of {max(lengths)} tokens is longer than "
                 f"max_token_len_per_gpu={cap} (verl refuses it too)")
         plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
-        wanted = [[i for mb in plan.microbatches[r] for i in mb] for r in range(world)]
-        sends = [[i - offset[rank] for i in wanted[d] if owner[i] == rank] for d in range(world)]
-        pieces = _all_to_all_rows(data, sends, group)
-        self._odc_received = sum(1 for i in wanted[rank] if owner[i] != rank)
-        # Rows arrive grouped by source rank, each group in this rank's wanted order.
-        arrived = [i for s in range(world) for i in wanted[rank] if owner[i] == s]
-        position = {g: p for p, g in enumerate(arrived)}
-        merged = _concat_rows(pieces, data)
-        mine = tu.index_select_tensor_dict(merged, [position[g] for g in wanted[rank]])
+        # Rows move pickled (a TensorDict's rows may be nested tensors); rank labels as planned.
+        moved = balance.exchange_rows(
+            data.select(*_row_keys(data)), plan, [len(part) for part in everyone], group=group,
+            take=tu.index_select_tensor_dict, join=tu.concat_tensordict, where=where)
+        self._odc_received = moved.received
+        mine = moved.rows
         _copy_non_tensor(data, mine)
-        planned, at = [], 0
-        for mb in plan.microbatches[rank]:
-            planned.append(list(range(at, at + len(mb))))
-            at += len(mb)
-        return mine, planned
+        return mine, moved.microbatches
 
     def _odc_cost_fn(self):
         if self.odc_cost == "tokens":
@@ -300,45 +288,6 @@ def _row_lengths(data) -> list[int]:
 def _row_keys(data) -> list[str]:
     return [k for k, v in data.items() if isinstance(v, torch.Tensor)
             or (getattr(v, "shape", None) and v.shape[0] == len(data))]
-
-
-def _all_to_all_rows(data, sends: list[list[int]], group) -> list:
-    """Sends rows ``sends[d]`` of ``data`` to rank d, one all-to-all of bytes (through the
-    group's CPU backend); returns what each rank sent here (None where nothing)."""
-    world = len(sends)
-    keys = _row_keys(data)
-    blobs = []
-    for rows in sends:
-        if not rows:
-            blobs.append(b"")
-            continue
-        buf = io.BytesIO()
-        torch.save(tu.index_select_tensor_dict(data.select(*keys), rows), buf)
-        blobs.append(buf.getvalue())
-    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-    recv_sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
-    recv = torch.empty(max(1, int(recv_sizes.sum())), dtype=torch.uint8)
-    dist.all_to_all_single(recv[:int(recv_sizes.sum())], send[:int(send_sizes.sum())],
-                           output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
-    pieces, at = [], 0
-    for size in recv_sizes.tolist():
-        if size:
-            raw = recv[at:at + size].numpy().tobytes()
-            pieces.append(torch.load(io.BytesIO(raw), weights_only=False))
-        else:
-            pieces.append(None)
-        at += size
-    return pieces
-
-
-def _concat_rows(pieces: list, like):
-    got = [p for p in pieces if p is not None]
-    if not got:
-        return tu.index_select_tensor_dict(like.select(*_row_keys(like)), [])
-    return got[0] if len(got) == 1 else tu.concat_tensordict(got)
 
 
 def _copy_non_tensor(source, target) -> None:

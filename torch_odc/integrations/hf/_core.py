@@ -138,6 +138,11 @@ class ODCTrainerMixin(ODCCheckpointMixin):
     # The compatibility manifest's users this adapter needs (see _compat.require).
     _odc_compat_users: tuple[str, ...] = ("trainer",)
     _odc_where = "torch_odc.integrations.hf"
+    # Whether the core plans each optimizer step from the dataset: its own dataloader yields
+    # one ODCStep per step and the Trainer runs with gradient_accumulation_steps = 1. An adapter
+    # whose rows exist only inside the trainer's step (GRPO's rollouts) sets False: the
+    # trainer's own dataloader and accumulation stay.
+    _odc_steps_from_dataset = True
 
     def __init__(self, *args, odc: ODCConfig | None = None, **kwargs):
         # First: a transformers / accelerate / TRL release without what the adapter uses is
@@ -160,7 +165,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         # The Trainer's loop draws one ODCStep per optimizer step; the counting of input tokens
         # (one gather per microbatch otherwise) moves into the step's metrics reduction.
         args = copy.copy(self.args)
-        args.gradient_accumulation_steps = 1
+        if self._odc_steps_from_dataset:
+            args.gradient_accumulation_steps = 1
         self._odc_tokens_seen = args.include_num_input_tokens_seen
         args.include_num_input_tokens_seen = "no"
         self.args = args
@@ -311,6 +317,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         return [(n,) for n in _sequence_lengths(dataset, key)]
 
     def get_train_dataloader(self):
+        if not self._odc_steps_from_dataset:
+            return super().get_train_dataloader()
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")

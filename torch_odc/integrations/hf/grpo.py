@@ -14,11 +14,13 @@ TRL's shuffle and split) and keeps it. At the step's last call the rank:
    log-probs, tool mask) and notes, per slice, what TRL's loss normalizes by (its rows, its
    loss tokens, the generation batch's token count);
 2. with ``rebalance`` on: one ``all_gather_object`` of every row's length (and the slices'
-   normalizers), the same LB-Mini plan on every rank, one ``all_to_all`` moving the rows (with
-   all their tensors, in one buffer) to the ranks the plan names; off: packs its own rows;
+   normalizers), the same LB-Mini plan on every rank, and :func:`torch_odc.balance.exchange_rows`
+   moving the rows (all their tensors, one all-to-all of their bytes) to the ranks the plan
+   names; off: packs its own rows;
 3. runs its microbatches (any number, zero included), padding trimmed per microbatch, through
-   the Trainer's ``training_step`` with a loss whose per-row weights reproduce TRL's
-   normalization for the row's own TRL slice (below);
+   the Trainer's ``training_step``: each is a ``_Microbatch``, TRL's tensors plus per-row
+   weights that reproduce TRL's normalization for the row's own TRL slice (below), which
+   ``compute_loss`` recognizes;
 4. calls :func:`torch_odc.minibatch_barrier` (the Trainer clips right after), then reduces the
    metrics TRL gathers in every microbatch (KL, entropy, clip ratios, policy loss) once, per
    TRL microbatch index, and appends them as TRL would have.
@@ -101,6 +103,17 @@ class ODCGRPOConfig(ODCConfig):
     rebalance: bool = True
 
 
+class _Microbatch(dict):
+    """One of the adapter's microbatches: TRL's tensors for its rows (the dict the Trainer's
+    ``training_step`` and TRL's loss read) and, beside them, per row: ``weights`` (a, e, p and
+    narrow, see ``_odc_row_weights``) and ``slice``, the row's TRL microbatch."""
+
+    def __init__(self, tensors: dict, weights: dict, slice_index: torch.Tensor):
+        super().__init__(tensors)
+        self.weights = weights
+        self.slice = slice_index
+
+
 # The rows' meta travels beside TRL's tensors under a name no TRL key has.
 _META = "\0odc_meta"
 
@@ -138,12 +151,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     _odc_compat_users = ("trainer", "grpo")
     _odc_where = WHERE
 
+    # The Trainer keeps calling training_step once per TRL microbatch through TRL's own
+    # dataloader (TRL's buffering counts those calls; lengths exist only after generation), and
+    # the adapter runs the whole step at the last one.
+    _odc_steps_from_dataset = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # The core runs one Trainer call per optimizer step; here the Trainer keeps calling
-        # training_step once per TRL microbatch (TRL's buffering counts those calls), and the
-        # adapter runs the whole step at the last one.
-        self.args.gradient_accumulation_steps = self._odc_user_accumulation
         self._odc_slices: list[dict] = []
         self._odc_step_seconds = 0.0
         self._odc_acc: dict | None = None
@@ -153,10 +167,6 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     @staticmethod
     def _odc_default_config() -> ODCConfig:
         return ODCGRPOConfig()
-
-    def _odc_check_args(self) -> None:
-        super()._odc_check_args()
-        self._odc_user_accumulation = self.args.gradient_accumulation_steps
 
     def _odc_check_loss(self) -> None:
         a = self.args
@@ -186,11 +196,6 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                              "prompt and completion tokens itself (logged as num_tokens); "
                              "leave it at 'no'")
 
-    def get_train_dataloader(self):
-        # TRL's own: its RepeatSampler and generation batches (the core's planning of steps
-        # from a dataset does not apply: lengths exist only after generation).
-        return super(ODCTrainerMixin, self).get_train_dataloader()
-
     @property
     def _odc_rebalance(self) -> bool:
         return getattr(self.odc, "rebalance", True)
@@ -198,15 +203,19 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     # -- TRL's hooks during the adapter's microbatches -----------------------------------------
 
     def _prepare_inputs(self, inputs):
-        if self._odc_in_step:  # a repacked microbatch: already on the device
+        if isinstance(inputs, _Microbatch):  # a repacked microbatch: already on the device
             return inputs
         return super()._prepare_inputs(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._odc_in_step and self.model.training:
+        if isinstance(inputs, _Microbatch) and self.model.training:
             if return_outputs:
                 raise ValueError("The GRPOTrainer does not support returning outputs")
             return self._odc_loss(model, inputs)
+        if self._odc_in_step:  # TRL's own loss on the adapter's rows would be a wrong gradient
+            raise RuntimeError(f"{WHERE}: compute_loss got a {type(inputs).__name__}, not the "
+                               "adapter's microbatch: something between training_step and "
+                               "compute_loss rebuilt the batch")
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -493,7 +502,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return self.entropy_coef if last <= self.args.entropy_target else 0.0
         return self.entropy_coef
 
-    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> dict:
+    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> _Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
         completion (rounded up to pad_to_multiple_of like TRL's), with their weights."""
         idx = torch.tensor(micro, device=rows.meta.device)
@@ -510,10 +519,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             elif kind == "completion":
                 t = _fit(t, cw, "right", self._odc_pad_value(key))
             batch[key] = t
-        batch["_odc_slice"] = meta[:, 1]
-        for key, value in weights.items():
-            batch["_odc_" + key] = value[idx]
-        return batch
+        return _Microbatch(batch, {key: value[idx] for key, value in weights.items()},
+                           meta[:, 1])
 
     # -- the loss ------------------------------------------------------------------------------
 
@@ -590,15 +597,15 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         world = self.accelerator.num_processes
         fmask = mask.to(per_token_loss.dtype)
         row_loss = (per_token_loss * fmask).sum(-1)
-        loss = (row_loss * inputs["_odc_a"].to(row_loss.dtype)).sum()
+        loss = (row_loss * inputs.weights["a"].to(row_loss.dtype)).sum()
         if _compat.read(self, "_entropy_bonus_enabled"):
             row_entropy = (entropies * fmask).sum(-1)
-            loss = loss - (row_entropy * inputs["_odc_e"].to(row_entropy.dtype)).sum()
+            loss = loss - (row_entropy * inputs.weights["e"].to(row_entropy.dtype)).sum()
         loss = loss * world
 
         with torch.no_grad():
-            acc, k = self._odc_acc, inputs["_odc_slice"]
-            narrow = inputs["_odc_narrow"]
+            acc, k = self._odc_acc, inputs.slice
+            narrow = inputs.weights["narrow"]
             fm = fmask.double()
 
             def per_row(x, per_sequence=False):
@@ -650,7 +657,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 add("phi", num)
                 add("row_count", den)
             if _compat.read(self, "_entropy_bonus_enabled"):
-                add("policy", row_loss.detach().double() * inputs["_odc_p"])
+                add("policy", row_loss.detach().double() * inputs.weights["p"])
         return loss
 
     # -- metrics -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ COST_S = {
     "test_conformance.py": 12,
 }
 _GROUPS_ENV = "ODC_XDIST_GROUPS"
+_TMP_ENV = "ODC_TESTS_TMP"
 
 
 def pytest_configure(config):
@@ -45,6 +46,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "xdist_group(name): tests that share one result run on one pytest-xdist "
         "worker (--dist loadgroup)")
+    if not os.environ.get(_TMP_ENV):
+        # Every temporary file of the run (the tests', their ranks', the trainers' output
+        # directories) under one directory that goes with the run: spawned ranks and xdist
+        # workers inherit TMPDIR.
+        config._odc_tmp_root = tempfile.mkdtemp(prefix="odc-tests-")
+        os.environ[_TMP_ENV] = os.environ["TMPDIR"] = tempfile.tempdir = config._odc_tmp_root
     if _dist(config) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         # The controller: its workers (started later, inheriting the environment) write the
         # groups of what they collected here.
@@ -53,6 +60,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    if getattr(config, "_odc_tmp_root", None):
+        shutil.rmtree(config._odc_tmp_root, ignore_errors=True)
     if getattr(config, "_odc_groups_dir", None):
         shutil.rmtree(config._odc_groups_dir, ignore_errors=True)
         os.environ.pop(_GROUPS_ENV, None)

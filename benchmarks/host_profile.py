@@ -40,12 +40,12 @@ import torch_odc
 
 # cProfile entries (file fragment, function) whose cumulative time is reported.
 ENTRY_POINTS = {
-    "odc: unit pre-forward hook": ("torch_odc/_attach.py", "before_forward"),
-    "odc: keyed all-gather": ("torch_odc/_attach.py", "__call__"),  # both comm classes
-    "odc: root pre-forward (publish)": ("torch_odc/_attach.py", "_pre_forward"),
-    "odc: grad hook (drop FSDP2's .grad)": ("torch_odc/_attach.py", "_drop_fsdp_grad"),
-    "odc: barrier": ("torch_odc/_attach.py", "barrier"),
-    "odc: optimizer step pre-hook": ("torch_odc/_attach.py", "_check_step"),
+    "odc: unit pre-forward hook": ("torch_odc/_keys.py", "before_forward"),
+    "odc: keyed all-gather": ("torch_odc/_comms.py", "__call__"),  # both comm classes
+    "odc: root pre-forward (publish)": ("torch_odc/_handle.py", "_pre_forward"),
+    "odc: grad hook (drop FSDP2's .grad)": ("torch_odc/_keys.py", "_drop_fsdp_grad"),
+    "odc: barrier": ("torch_odc/_handle.py", "barrier"),
+    "odc: optimizer step pre-hook": ("torch_odc/_handle.py", "_check_step"),
     "fsdp2: pre_forward (state)": ("_fsdp_state.py", "_pre_forward"),
     "fsdp2: post_forward (state)": ("_fsdp_state.py", "_post_forward"),
     "fsdp2: pre_backward (state)": ("_fsdp_state.py", "_pre_backward"),
@@ -67,7 +67,9 @@ ENTRY_CPU: dict = {}  # label -> [thread CPU seconds, calls] (--entry-cpu)
 def wrap_entry_points() -> None:
     """Wraps torch_odc's own entry points (its comm objects and hooks) in thread-CPU-time
     accumulators. Measurement only."""
-    from torch_odc import _attach as a
+    from torch_odc._comms import _KeyedAllGather, _KeyedReduceScatter
+    from torch_odc._handle import Handle
+    from torch_odc._keys import _Key
 
     def wrap(cls, name):
         inner, label = getattr(cls, name), f"{cls.__name__.lstrip('_')}.{name}"
@@ -82,9 +84,9 @@ def wrap_entry_points() -> None:
                 e[1] += 1
         setattr(cls, name, timed)
 
-    for cls, name in [(a._KeyedAllGather, "__call__"), (a._KeyedReduceScatter, "__call__"),
-                      (a._Key, "before_forward"), (a._Key, "_drop_fsdp_grad"),
-                      (a.Handle, "_pre_forward"), (a.Handle, "barrier")]:
+    for cls, name in [(_KeyedAllGather, "__call__"), (_KeyedReduceScatter, "__call__"),
+                      (_Key, "before_forward"), (_Key, "_drop_fsdp_grad"),
+                      (Handle, "_pre_forward"), (Handle, "barrier")]:
         wrap(cls, name)
 
 

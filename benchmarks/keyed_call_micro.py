@@ -20,7 +20,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp import fully_shard
 
 import torch_odc
-from torch_odc import _attach
+from torch_odc import _comms
 
 
 def main():
@@ -44,7 +44,7 @@ def main():
             opt.step()
             opt.zero_grad()
     key = handle._keys[1]
-    comm = _attach._KeyedReduceScatter(handle, 1)
+    comm = _comms._KeyedReduceScatter(handle, 1)
     numel = key._all_numel * key.world
     inp, out = torch.randn(numel), torch.empty(numel // key.world)
     every = list(key._all_trainable)

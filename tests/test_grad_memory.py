@@ -98,7 +98,7 @@ def _allocates_nothing(tensor) -> bool:
 
 def _grads_are_accumulator_views(rank, world):
     import torch_odc
-    from torch_odc._attach import _NoGradBeforeBarrier
+    from torch_odc._placeholder import _NoGradBeforeBarrier
 
     model = sharded_model(world, "cpu")
     handle = torch_odc.attach(model)

@@ -9,8 +9,9 @@ Importing this package registers the "odc" backend with torch.distributed:
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from torch_odc import _C  # noqa: F401
-from torch_odc._attach import Handle, attach, minibatch_barrier, stats
+from torch_odc._attach import attach
 from torch_odc._backend import BACKEND_NAME, odc_backend, register
+from torch_odc._handle import Handle, minibatch_barrier, stats
 
 register()
 

@@ -3,11 +3,13 @@ accumulators per minibatch across replicas.
 
 A (2 replicas x 2 shards) mesh on 4 CPU ranks with per-rank microbatch counts that differ across
 shards and across replicas (zero included) ends like a float64 single process on the union of
-the samples, and like FSDP2's own HSDP over collectives (equal counts there); fp32 and bf16
-mixed precision; a divide factor. A (2 x 1) mesh keeps FSDP2's own path with a warning. Ranks of
-one machine presented as several hosts (ODC_HOST_ID): a 1-D mesh over them keeps collective
-semantics with a warning that shows the HSDP mesh to use; an HSDP mesh with one host per shard
-group runs on demand.
+the samples, and like FSDP2's own HSDP over collectives (equal counts, and a model whose ranks
+reduce-scatter the same parameters in every backward: FSDP2 over collectives cannot run
+anything else, which is why its 4-GPU comparison hung, issue 42); fp32 and bf16 mixed
+precision; a divide factor. A (2 x 1) mesh keeps FSDP2's own path with a warning. Ranks of one
+machine presented as 2 hosts x 2 ranks (ODC_HOST_ID), on CPU and on 4 GPUs: a 1-D mesh over
+them keeps collective semantics with a warning that shows the HSDP mesh to use; an HSDP mesh
+with one host per shard group runs on demand with uneven counts.
 
 GPUs: the same 2 x 2 mesh on 2 GPUs, each shard group's 2 ranks sharing one GPU (ODC over CUDA
 IPC between the two processes there; the group's own CUDA collectives, here clipping's norm,
@@ -34,6 +36,11 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 UNEVEN = [[1, 2, 0, 3], [3, 0, 1, 1], [0, 0, 2, 1], [2, 2, 0, 0]]
 EVEN = [[2, 2, 2, 2], [1, 1, 1, 1], [3, 3, 3, 3]]
 MESH = (2, 2)
+# One rank per GPU, 4 ranks; the CUDA IPC transport for ODC inside a shard group.
+FOUR_GPUS = pytest.mark.skipif(GPUS < 4 or not torch_odc._C._has_cuda_transport(),
+                               reason="needs 4 CUDA GPUs (one per rank) and a CUDA build")
+# "cpu" (Gloo, always runs) and "gpu" (one rank per GPU, NCCL between them: 4 GPUs).
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=FOUR_GPUS)]
 
 
 def _close(results, cfg, plan, world, tol=2e-5):
@@ -63,46 +70,183 @@ def test_hsdp_uneven_counts_across_shards_and_replicas_equal_the_reference(name,
     _close(run_ranks(4, train, cfg, UNEVEN), cfg, UNEVEN, 4, tol)
 
 
-def test_hsdp_odc_equals_fsdp2_hsdp_over_collectives():
-    cfg = {"mesh": MESH}
-    odc = run_ranks(4, train, cfg, EVEN)
-    fsdp2 = run_ranks(4, train, {**cfg, "attach": False}, EVEN)
-    for a, b in zip(odc, fsdp2, strict=True):
+def _fsdp2_checked(rank, world, cfg, plan):
+    """train() for FSDP2's own (H)SDP over the group's collectives, every reduce-scatter of it
+    preceded by a check that all ranks of its group pass the same sizes: a collective whose
+    ranks disagree on the size hangs on NCCL (and aborts a Gloo rank), this raises instead,
+    naming the sizes. FSDP2 reduce-scatters only the parameters that got a gradient in that
+    backward (torch 2.11 post_backward, `fsdp_params_with_grad`), so ranks whose microbatches
+    use different parameters (the "branch" model's branch, used for lengths divisible by 3)
+    disagree."""
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter_tensor
+    calls = [0]
+
+    def checked(output, input, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        sizes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(sizes, (input.numel(), output.numel()), group=group)
+        calls[0] += 1
+        if len(set(sizes)) > 1:
+            raise RuntimeError(
+                f"rank {rank}: FSDP2's reduce-scatter #{calls[0]} over ranks "
+                f"{dist.get_process_group_ranks(group)}: (input, output) elements per rank "
+                f"{sizes} differ; NCCL would hang here")
+        return real(output, input, *args, **kwargs)
+
+    dist.reduce_scatter_tensor = checked
+    try:
+        return train(rank, world, cfg, plan)
+    finally:
+        dist.reduce_scatter_tensor = real
+
+
+def _odc_equals_fsdp2_hsdp_over_collectives(device):
+    """The (2 x 2) mesh under ODC equals FSDP2's own HSDP over plain collectives (Gloo on CPU,
+    NCCL on GPUs, one rank per GPU) on the same mesh, and the float64 reference.
+
+    FSDP2 over collectives needs equal microbatch counts, and more: every rank of a group must
+    reduce-scatter the same parameters in every backward, since FSDP2 leaves the parameters
+    without a gradient out of the flat reduce-scatter input. The model therefore has no
+    "branch" here (its branch runs for some sequence lengths only: with EVEN's samples rank 0
+    uses it in its first microbatch and rank 1 does not, so their reduce-scatters had 468 and
+    312 elements, and FSDP2-HSDP over NCCL hung on 4 GPUs, issue 42); `_fsdp2_checked` turns
+    such a mismatch into an error. ODC with the branch and uneven counts is checked against
+    the reference elsewhere (test_gpu_hsdp_2x2_uneven_counts_equal_the_reference on GPUs)."""
+    cuda = device == "cuda"
+    cfg = {"mesh": MESH, "device": device}
+    odc = run_ranks(4, train, cfg, EVEN, cuda=cuda)
+    fsdp2 = run_ranks(4, _fsdp2_checked, {**cfg, "attach": False}, EVEN,
+                      backend="nccl" if cuda else "gloo", cuda=cuda)
+    for rank, (a, b) in enumerate(zip(odc, fsdp2, strict=True)):
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=2e-5)
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=2e-5,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+    if cuda:  # each replica's two ranks hold the whole model as dim-0 shards
+        odc = [{k: torch.cat([r[k] for r in replica]) for k in replica[0]}
+               for replica in (odc[:2], odc[2:])]
     _close(odc, cfg, EVEN, 4)
 
 
+def test_hsdp_odc_equals_fsdp2_hsdp_over_collectives():
+    _odc_equals_fsdp2_hsdp_over_collectives("cpu")
+
+
+def test_fsdp2_hsdp_over_collectives_cannot_run_ranks_that_use_different_parameters():
+    """Why the 4-GPU comparison with FSDP2-HSDP over NCCL hung (issue 42): its former model,
+    with the branch, on EVEN's samples. Ranks 0 and 1 (a shard group) reduce-scatter different
+    sizes in their first backward; the check names them where NCCL hangs."""
+    cfg = {"mesh": MESH, "branch": True, "attach": False}
+    with pytest.raises(AssertionError) as err:
+        run_ranks(4, _fsdp2_checked, cfg, EVEN, backend="gloo")
+    message = str(err.value)
+    assert "FSDP2's reduce-scatter #1 over ranks [0, 1]" in message, message
+    assert "(input, output) elements per rank [(468, 234), (312, 156)] differ" in message, message
+
+
 def _with_host_ids(rank, world, cfg, plan, hosts):
+    """train() with the ranks presented as `hosts` hosts of world // hosts consecutive ranks
+    each (ODC_HOST_ID, which attach reads instead of the host name). Returns this rank's
+    parameters (on GPUs its dim-0 shards), its torch_odc warnings, the counters of
+    torch_odc.stats() after each minibatch_barrier() (keyed calls since attach, one entry per
+    attached model: none where attach kept collective semantics) and, per odc group of this
+    rank (its ranks), the inner backend that served its CUDA tensors (None: no CUDA
+    collective ran there)."""
+    import torch.distributed as dist
+
     os.environ["ODC_HOST_ID"] = f"host{rank // (world // hosts)}"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        params = train(rank, world, cfg, plan)
-    return params, [str(w.message) for w in caught if "torch_odc" in str(w.message)]
+    counters = []
+    barrier = torch_odc.minibatch_barrier
+
+    def counted_barrier():  # train() calls torch_odc.minibatch_barrier() after each minibatch
+        barrier()
+        counters.append([{k: s["total"][k] for k in COUNTERS} for s in torch_odc.stats()])
+
+    torch_odc.minibatch_barrier = counted_barrier
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = train(rank, world, cfg, plan)
+    finally:
+        torch_odc.minibatch_barrier = barrier
+    inner = {}
+    for pg, members in dist.distributed_c10d._world.pg_group_ranks.items():
+        if isinstance(pg, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
+            cuda_backend = torch_odc.odc_backend(pg).cuda_backend
+            inner[tuple(sorted(members))] = None if cuda_backend is None else cuda_backend.name()
+    return {"params": params, "counters": counters, "inner": inner,
+            "warnings": [str(w.message) for w in caught if "torch_odc" in str(w.message)]}
+
+
+COUNTERS = ("minibatches", "keyed_gathers", "keyed_reduce_scatters")
+UNITS = 3  # FSDP units of the test model: blocks.0, blocks.1, the root (emb, head)
+
+
+def _whole(results, replicas):
+    """The parameters of each replica: on GPUs its ranks' dim-0 shards put together."""
+    per = len(results) // replicas
+    return [{k: torch.cat([r["params"][k] for r in results[i * per:(i + 1) * per]])
+             for k in results[0]["params"]} for i in range(replicas)]
 
 
 def test_a_mesh_of_shard_groups_of_one_rank_keeps_fsdp2s_own_path():
     cfg = {"mesh": (2, 1)}
     plan = [[2, 2], [1, 1], [3, 3]]
     results = run_ranks(2, _with_host_ids, cfg, plan, 1)
-    for _, caught in results:
-        assert any("shard groups of one rank" in m for m in caught), caught
-    _close([p for p, _ in results], cfg, plan, 2)
+    for got in results:
+        assert any("shard groups of one rank" in m for m in got["warnings"]), got["warnings"]
+    _close([r["params"] for r in results], cfg, plan, 2)
 
 
-def test_a_1d_mesh_over_several_hosts_keeps_collectives_and_names_the_hsdp_mesh():
-    results = run_ranks(4, _with_host_ids, {}, EVEN, 2)
-    for _, caught in results:
-        assert any("spans 2 hosts" in m and "(2, 2)" in m and '"replicate", "shard"' in m
-                   for m in caught), caught
-    _close([p for p, _ in results], {}, EVEN, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_1d_mesh_over_several_hosts_keeps_collectives_and_names_the_hsdp_mesh(device):
+    """4 ranks as 2 hosts x 2 ranks (ODC_HOST_ID), one FSDP group over all 4 (a 1-D mesh):
+    attach warns that the group spans 2 hosts, shows the HSDP mesh to use and keeps collective
+    semantics (docs/multinode.md): FSDP2's all-gathers and reduce-scatters run as the odc
+    group's collectives (through its inner backend: Gloo for CPU tensors, NCCL for CUDA ones),
+    minibatch_barrier() does nothing for the model (torch_odc.stats() lists no attached model),
+    and training equals the reference. Equal counts: under collective semantics every rank
+    joins every collective, as under FSDP2 itself."""
+    cuda = device == "cuda"
+    cfg = {"device": device}
+    results = run_ranks(4, _with_host_ids, cfg, EVEN, 2, cuda=cuda)
+    for rank, got in enumerate(results):
+        assert len(got["warnings"]) == 1, (rank, got["warnings"])
+        message = got["warnings"][0]
+        assert "the group spans 2 hosts" in message, message
+        assert ('init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))'
+                in message), message
+        assert ("this model keeps collective semantics and minibatch_barrier() is a no-op"
+                in message), message
+        assert got["counters"] == [[]] * len(EVEN), (rank, got["counters"])
+        assert got["inner"][(0, 1, 2, 3)] == ("nccl" if cuda else None), (rank, got["inner"])
+    _close(_whole(results, 1) if cuda else [r["params"] for r in results], cfg, EVEN, 4)
 
 
-def test_an_hsdp_mesh_with_one_host_per_shard_group_runs_on_demand():
-    results = run_ranks(4, _with_host_ids, {"mesh": MESH}, UNEVEN, 2)
-    for _, caught in results:
-        assert caught == [], caught
-    _close([p for p, _ in results], {"mesh": MESH}, UNEVEN, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_hsdp_mesh_with_one_host_per_shard_group_runs_on_demand(device):
+    """4 ranks as 2 hosts x 2 ranks (ODC_HOST_ID), a (2 replicas x 2 shards) mesh whose shard
+    groups are the hosts, counts uneven across shards and hosts (zero included): no warning;
+    every FSDP2 all-gather and reduce-scatter of every rank was served on demand (keyed: one
+    reduce-scatter and two gathers, forward and backward, per unit and microbatch); the
+    replicas' all-reduce at the barrier crossed the "hosts" (NCCL on GPUs), nothing CUDA ran
+    over a shard group; each replica equals the float64 reference."""
+    cuda = device == "cuda"
+    cfg = {"mesh": MESH, "device": device}
+    results = run_ranks(4, _with_host_ids, cfg, UNEVEN, 2, cuda=cuda)
+    for rank, got in enumerate(results):
+        assert got["warnings"] == [], (rank, got["warnings"])
+        ran = [sum(counts[rank] for counts in UNEVEN[:mb + 1]) for mb in range(len(UNEVEN))]
+        assert got["counters"] == [
+            [{"minibatches": mb + 1, "keyed_gathers": 2 * UNITS * n,
+              "keyed_reduce_scatters": UNITS * n}] for mb, n in enumerate(ran)
+        ], (rank, got["counters"])
+        shard = (rank - rank % 2, rank - rank % 2 + 1)
+        replicate = (rank % 2, rank % 2 + 2)
+        assert got["inner"][shard] is None, (rank, got["inner"])
+        assert got["inner"][replicate] == ("nccl" if cuda else None), (rank, got["inner"])
+    _close(_whole(results, 2) if cuda else [r["params"] for r in results], cfg, UNEVEN, 4)
 
 
 # ---- GPUs ------------------------------------------------------------------------------------
@@ -269,8 +413,7 @@ def test_gpu_hsdp_2x2_on_two_gpus_shard_groups_share_a_gpu(name):
     _check_two_gpu_layout(name, "cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
-                    reason="needs 4 CUDA GPUs (one per rank: the replicas all-reduce over NCCL)")
+@FOUR_GPUS
 @pytest.mark.parametrize("mp", [None, (BF16, FP32)], ids=["fp32", "bf16"])
 def test_gpu_hsdp_2x2_uneven_counts_equal_the_reference(mp):
     cfg = {"mesh": MESH, "device": "cuda", "branch": True, "mp": mp}
@@ -280,15 +423,8 @@ def test_gpu_hsdp_2x2_uneven_counts_equal_the_reference(mp):
         _close([got], cfg, UNEVEN, 4, REL16 if mp else 2e-5)
 
 
-@pytest.mark.skipif(GPUS < 4 or not torch_odc._C._has_cuda_transport(),
-                    reason="needs 4 CUDA GPUs (one per rank: FSDP2's shard groups over NCCL)")
+@FOUR_GPUS
 def test_gpu_hsdp_2x2_on_four_gpus_equals_fsdp2_hsdp_over_nccl():
-    cfg = {"mesh": MESH, "device": "cuda", "branch": True}
-    odc = run_ranks(4, train, cfg, EVEN, cuda=True)
-    fsdp2 = run_ranks(4, train, {**cfg, "attach": False}, EVEN, backend="nccl", cuda=True)
-    for rank, (a, b) in enumerate(zip(odc, fsdp2, strict=True)):
-        for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=2e-5,
-                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
-    for replica in (odc[:2], odc[2:]):
-        _close([{k: torch.cat([r[k] for r in replica]) for k in replica[0]}], cfg, EVEN, 4)
+    """One rank per GPU; see _odc_equals_fsdp2_hsdp_over_collectives (why no branch, equal
+    counts)."""
+    _odc_equals_fsdp2_hsdp_over_collectives("cuda")

@@ -1,4 +1,4 @@
-"""TRL trainers under ODC vs the unmodified trainer with FSDP2 over NCCL, on the same data: the
+"""TRL trainers and verl's actor update under ODC vs the unmodified trainer with FSDP2 over NCCL, on the same data: the
 runnable examples of docs/examples/ launched with torchrun, once per variant, each writing its
 per-step log; this script reads the logs and reports per GPU the rows (sequences, pairs or
 rollouts) per second and the tokens per second, the peak memory per rank and the planner's
@@ -8,6 +8,7 @@ table last.
     python benchmarks/bench_trl.py sft --nproc 2 --out benchmarks/results   # SFTTrainer, 2 GPUs
     python benchmarks/bench_trl.py dpo --nproc 4 --out benchmarks/results   # DPOTrainer, 4 GPUs
     python benchmarks/bench_trl.py grpo --nproc 2 --out benchmarks/results  # GRPOTrainer
+    python benchmarks/bench_trl.py verl --nproc 2 --out benchmarks/results  # verl's actor update
     python benchmarks/bench_trl.py sft --cpu --out /tmp/bench_trl           # CPU smoke test
     python benchmarks/bench_trl.py grpo --out DIR -- --size medium --steps 6 # example arguments
 
@@ -21,7 +22,10 @@ padded tokens than the largest one the unmodified trainer runs in the same step,
 shard cache); ``plain`` the unmodified trainer on an NCCL group, FSDP2 as accelerate sets it up
 (on CPU: Gloo, and accelerate uses DDP). The data are long-tailed: lengths log-uniform between
 the example's minimum and maximum (SFT sequences; DPO prompts and completions; GRPO prompts,
-completions ending at an EOS whose bias sets their mean), in the same sequential order.
+completions ending at an EOS whose bias sets their mean), in the same sequential order; verl's
+responses log-normal (most short, a few near the cap), its prompts uniform. verl's ``plain`` is
+its own fsdp2 engine (equal microbatch counts, the driver's equal-count dispatch); its bound
+compares each rank's tokens as dispatched with those LB-Mini gives it.
 
 Reported per variant: tokens/s per GPU (non-padding tokens of the measured steps over their
 time), seconds per step, each rank's peak memory (torch's allocator peak plus the memory ODC
@@ -68,6 +72,7 @@ class Mode:
     unit: str  # what one row of a step is
     warmup: int = 3  # default steps left out on GPUs
     default_variants: tuple[str, ...] = ("odc", "plain")
+    python: str | None = None  # "verl": verl's own environment (see _python)
 
 
 def _rates(steps: list[dict], world: int, unit: str) -> dict:
@@ -127,7 +132,39 @@ MODES: dict[str, Mode] = {
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
         variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"]},
         unit="rollouts", warmup=2),
+    # verl's actor update (TrainingWorker.train_mini_batch, ppo_loss, dynamic batch size):
+    # verl's fsdp2 engine on verl's equal-count dispatch vs the odc engine with LB-Mini over the
+    # ranks; long-tailed (log-normal) response lengths.
+    "verl": Mode(
+        example="docs/examples/verl_ppo.py", log_name="verl_ppo_log.json",
+        gpu_args=["--size", "1b", "--steps", "14", "--warmup", "3", "--batch", "64",
+                  "--prompt", "512", "--response", "4096", "--max-tokens", "8192",
+                  "--lr", "1e-5"],
+        cpu_args=["--size", "tiny", "--steps", "4", "--batch", "16", "--prompt", "16",
+                  "--response", "96", "--max-tokens", "128"],
+        variants={"odc": ["--strategy", "odc", "--balance", "mini"],
+                  "odc-local": ["--strategy", "odc", "--balance", "local"],
+                  "plain": ["--strategy", "fsdp2"]},
+        unit="sequences", python="verl"),
 }
+
+
+def _python(mode: Mode) -> str:
+    """The interpreter of a mode's example: this one, or for verl its own environment
+    ($ODC_VERL_PYTHON, else .venv/verl-<torch line>/bin/python, as .ci/bootstrap test builds
+    it; verl pins a transformers that TRL's environment does not have)."""
+    if mode.python != "verl":
+        return sys.executable
+    if os.environ.get("ODC_VERL_PYTHON"):
+        return os.environ["ODC_VERL_PYTHON"]
+    import torch
+
+    line = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    venv = os.path.join(ROOT, ".venv", f"verl-{line}", "bin", "python")
+    if not os.path.exists(venv):
+        raise SystemExit(f"verl's environment {venv} is missing: run `bash .ci/bootstrap test` "
+                         "(it builds it) or set ODC_VERL_PYTHON")
+    return venv
 
 
 def _versions() -> dict:
@@ -166,7 +203,7 @@ def _commit() -> str | None:
 def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: bool,
                 workdir: str, log) -> tuple[dict, list[str]]:
     out = os.path.join(workdir, variant)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [_python(mode), "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(ROOT, mode.example),
            *(mode.cpu_args if cpu else mode.gpu_args), *extra, *mode.variants[variant],
            "--out", out]
@@ -292,17 +329,22 @@ def main() -> None:
             summary[variant]["peak_memory_gib"] = peaks[variant]
     hardware = _hardware(args.cpu)
     commit = _commit()
+    label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
+    versions = _versions()
+    for result in results.values():  # what the example's own interpreter ran (verl's venv)
+        versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
+                         if v is not None})
     record = {"mode": args.mode, "hardware": hardware, "kind": args.kind, "nproc": args.nproc,
-              "versions": _versions(), "commit": commit, "warmup_steps": warmup,
+              "versions": versions, "commit": commit, "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
               "summary": summary, "runs": results}
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(record, f, indent=1)
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
-         f"TRL {args.mode}: ODC vs plain, {args.nproc} ranks on {hardware} "
+         f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
          f"({commit[:7] if commit else '?'})")
     unit = mode.unit
-    print(f"\nTRL {args.mode}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
+    print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
     print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
           f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
     for variant, s in summary.items():

@@ -15,8 +15,9 @@
 # their small dependencies: 35 wheels, 157 MB (ray 79 MB, pyarrow 55 MB). verl's metadata pins
 # transformers < 5.11, but the image's 5.17.0 runs these paths: tests/verl_cases.py passed with
 # it (see docs/integrations.md), so the wheels are installed with --no-deps next to the image's
-# packages. `run` then builds torch_odc, runs the verl tests and docs/examples/verl_ppo.py on 2
-# GPUs (fsdp2 vs odc over NCCL, long-tailed rollouts), results in $OUT.
+# packages. `run` then builds torch_odc, runs the verl tests, `benchmarks/bench_trl.py verl` on
+# each GPU count of $NPROCS (default "2 4": verl's fsdp2 engine vs odc with LB-Mini, a 1B model,
+# long-tailed rollouts; rows into $OUT/trainers.json) and an fp32 parameter check on 2 GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-benchmarks/results}"
@@ -78,16 +79,19 @@ run() {
   # The CPU-rank tests, under this environment (the image's transformers 5.17.0).
   ODC_VERL_PYTHON="$py" timeout 600 python3 -m pytest tests/test_integrations_verl.py -q \
     -p no:cacheprovider -s 2>&1 | tee "$OUT/verl_tests_gpu_image.log" | tail -5 || rc=1
-  # 2 GPUs, one rank each: verl's fsdp2 (NCCL, equal counts) then odc, same weights and
-  # batches; long-tailed responses up to 4096 tokens, 8192 tokens per microbatch, bf16.
-  local args=(--size medium --batch 64 --prompt 256 --response 4096 --max-tokens 8192
-              --steps 8 --warmup 2 --lr 1e-5)
-  timeout 900 "$py" -m torch.distributed.run --nproc-per-node 2 docs/examples/verl_ppo.py \
-    "${args[@]}" --out "$OUT/verl_local" 2>&1 | grep -v -i warn \
-    | tee "$OUT/verl_ppo_medium_2gpu.log" | tail -25 || rc=1
-  timeout 900 "$py" -m torch.distributed.run --nproc-per-node 2 docs/examples/verl_ppo.py \
-    "${args[@]}" --balance mini --out "$OUT/verl_mini" 2>&1 | grep -v -i warn \
-    | tee "$OUT/verl_ppo_medium_2gpu_mini.log" | tail -25 || rc=1
+  # verl's actor update, ODC (LB-Mini) vs verl's fsdp2 engine (NCCL, equal counts), one rank
+  # per GPU on each count of $NPROCS: benchmarks/bench_trl.py verl (a 1B Qwen2 shape,
+  # long-tailed responses up to 4096 tokens, 8192 tokens per microbatch, bf16, 14 steps after
+  # 3 warm-up), a row each into trainers.json.
+  export ODC_COMMIT="${ODC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  local gpus n
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  for n in ${NPROCS:-2 4}; do
+    (( n <= gpus )) || continue
+    ODC_VERL_PYTHON="$py" timeout "${BENCH_TIMEOUT:-600}" python3 benchmarks/bench_trl.py verl \
+      --nproc "$n" --out "$OUT" --summary "$OUT/trainers.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/bench_verl_${n}.log" | tail -8 || rc=1
+  done
   # fp32 for the parameter check over NCCL (bf16 differs by rounding).
   timeout 600 "$py" -m torch.distributed.run --nproc-per-node 2 docs/examples/verl_ppo.py \
     --size small --dtype fp32 --steps 3 --lr 1e-4 --out "$OUT/verl_fp32" 2>&1 \

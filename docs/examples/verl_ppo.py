@@ -50,6 +50,9 @@ SIZES = {  # Qwen2Config arguments
               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
     "medium": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
                "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8},
+    # 1.1e9 parameters (the Llama-1B shape of benchmarks/bench_e2e.py as a Qwen2).
+    "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+           "num_hidden_layers": 19, "num_attention_heads": 16, "num_key_value_heads": 8},
 }
 
 
@@ -197,6 +200,8 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         tu.assign_non_tensor(data, max_token_len_per_gpu=args.max_tokens)
         counts = [None] * world
         dist.all_gather_object(counts, local_count(data))
+        dispatched = [None] * world  # each rank's tokens as verl's driver hands them out
+        dist.all_gather_object(dispatched, int(sum(engine_row_lengths(data))))
         tu.assign_non_tensor(data, global_batch_size=len(td), mini_batch_size=len(td), epochs=1,
                              seed=0, dataloader_kwargs={"shuffle": False})
         if torch.cuda.is_available():
@@ -209,9 +214,14 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         seconds = time.perf_counter() - t0
         metrics = tu.get(out, "metrics")
         odc = getattr(worker.engine, "odc_steps", [])
-        ran = [None] * world
+        ran, worked = [None] * world, [None] * world
         dist.all_gather_object(ran, odc[-1]["microbatches"] if odc else max(counts))
+        dist.all_gather_object(worked, odc[-1]["tokens"] if odc else dispatched[rank])
         steps.append({"step": step, "seconds": seconds, "needed": counts, "ran": ran,
+                      "microbatches": ran, "sequences": len(td), "tokens": int(seqlens.sum()),
+                      # each rank's tokens as it ran them and as verl's driver dispatched
+                      # them (the planner's bound: the slowest rank's, summed over steps)
+                      "padded_per_rank": worked, "plain_padded_per_rank": dispatched,
                       "loss": float(metrics["loss"][0]),
                       "grad_norm": float(metrics["grad_norm"][0]),
                       "pg_loss": float(metrics["actor/pg_loss"][0])})
@@ -225,9 +235,37 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
               for n, p in worker.engine.module.named_parameters()}
     handle = getattr(worker.engine, "odc_handle", None)
+    peak = None
+    if torch.cuda.is_available():
+        # torch's allocator peak plus what ODC holds beside it (its shard cache, accumulators
+        # and control words), which max_memory_allocated does not count.
+        held = sum(handle.stats().get("memory", {}).values()) if handle is not None else 0
+        peak = (torch.cuda.max_memory_allocated() + held) / 2**30
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
     if handle is not None:
         handle.detach()
-    return {"steps": steps, "params": params}
+    return {"steps": steps, "params": params, "peak_memory_gib": peaks}
+
+
+def engine_row_lengths(data) -> list[int]:
+    """Tokens of each row of a rank's share (the attention span verl packs by)."""
+    input_ids = data["input_ids"]
+    if input_ids.is_nested:
+        return input_ids.offsets().diff().tolist()
+    return data["attention_mask"].sum(dim=1).tolist()
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("verl", "torch", "transformers", "tensordict"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def main() -> None:
@@ -244,7 +282,11 @@ def main() -> None:
         build_model(args, path)
     dist.barrier()
     strategies = ["fsdp2", "odc"] if args.strategy == "both" else [args.strategy]
-    results = {s: run(args, s, path, rank, world) for s in strategies}
+    results = {}
+    for s in strategies:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        results[s] = run(args, s, path, rank, world)
     if rank == 0:
         summary = {}
         for s, r in results.items():
@@ -257,6 +299,16 @@ def main() -> None:
                        .item() for n in results["odc"]["params"])
             print(f"largest parameter difference odc vs fsdp2 after {args.steps} steps: {diff:.3g}")
             summary["max_param_diff"] = diff
+        if args.out and len(results) == 1:  # one strategy: the log benchmarks/bench_trl.py reads
+            (strategy, r), = results.items()
+            meta = {"strategy": strategy, "balance": args.balance, "world": world,
+                    "size": args.size, "args": vars(args), "peak_memory_gib":
+                    r["peak_memory_gib"], "versions": versions(),
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                    else "cpu"}
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "verl_ppo_log.json"), "w") as f:
+                json.dump({"meta": meta, "steps": r["steps"]}, f, indent=1)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"verl_ppo_{args.size}.json"), "w") as f:

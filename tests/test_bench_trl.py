@@ -1,0 +1,44 @@
+"""benchmarks/bench_trl.py verl on 2 CPU ranks: the benchmark a user reruns for verl's actor
+update runs both variants through verl's own environment and reports what the trainers table
+needs (its numbers on CPU say nothing about GPUs). Skipped like the verl tests without verl's
+environment (a failure in CI, whose bootstrap builds it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_integrations_verl import ROOT, _verl_python
+
+
+def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
+    python = _verl_python()
+    summary = tmp_path / "trainers.json"
+    env = {**os.environ, "ODC_VERL_PYTHON": python, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "verl", "--cpu",
+         "--nproc", "2", "--out", str(tmp_path), "--summary", str(summary), "--kind", "cpu"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(summary.read_text())["rows"]
+    assert row["trainer"] == "verl" and row["gpus"] == 2
+    for key in ("odc_tokens_per_s_per_gpu", "base_tokens_per_s_per_gpu", "speedup", "bound"):
+        assert row[key] > 0, (key, row)
+    record = json.loads((tmp_path / "bench_trl_verl_2cpu.json").read_text())
+    assert record["versions"]["verl"] == "0.9.1"
+    odc, plain = record["runs"]["odc"], record["runs"]["plain"]
+    assert odc["meta"]["strategy"] == "odc" and odc["meta"]["balance"] == "mini"
+    assert plain["meta"]["strategy"] == "fsdp2"
+    for o, p in zip(odc["steps"], plain["steps"], strict=True):
+        # the same rollouts, and every token run exactly once under either engine
+        assert o["tokens"] == p["tokens"] == sum(o["padded_per_rank"]) == sum(
+            p["padded_per_rank"])
+        assert o["plain_padded_per_rank"] == p["plain_padded_per_rank"]
+        # verl runs equal microbatch counts; ODC's may differ by rank
+        assert len(set(p["microbatches"])) == 1
+    # the two engines train the same model on the same data: the same losses, step by step
+    for o, p in zip(odc["steps"], plain["steps"], strict=True):
+        assert abs(o["loss"] - p["loss"]) <= 1e-4 * max(1.0, abs(p["loss"])), (o, p)
+    assert (tmp_path / "bench_trl_verl_2cpu.png").exists()

@@ -771,6 +771,11 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
             row.update(kernel_breakdown(kernels, launch_times(events)))
             row["kernel_ms_by_micro"] = kernel_ms_by_window(kernels)
+            # HSDP: the all-reduces across replicas (FSDP2's after each microbatch's
+            # reduce-scatter; ODC's once, in the barrier), kernel time on this rank.
+            row["allreduce_kernel_ms"] = sum(
+                e.time_range.end - e.time_range.start for e in kernels
+                if "AllReduce" in e.name) / 1e3
         else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
             row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0,
                        blocked_in_work_s=0.0, host_gap_s=0.0)
@@ -853,7 +858,25 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "profiled_kernel_ms_by_micro": [r["profiled"].get("kernel_ms_by_micro")
                                         for r in per_rank],
         "allocator_per_rank": [r["allocator"] for r in per_rank],
+        **({"replicate": replicate_traffic(per_rank, args)} if args.mesh else {}),
     }
+
+
+def replicate_traffic(per_rank, args) -> dict:
+    """HSDP, the profiled minibatch: the gradient bytes each rank all-reduces across replicas
+    (its fp32 shard: FSDP2 after every microbatch, padding ones included; ODC once per
+    minibatch), the ring's bytes on the wire per rank (2 (R - 1) / R of them), and the
+    all-reduce kernels' time."""
+    replicas = args.mesh[0]
+    shard = [4 * r["allocator"]["sharded_numel"] for r in per_rank]
+    calls = [1 if r.get("odc_region_gib") is not None else r["profiled"]["microbatches"]
+             for r in per_rank]
+    reduced = [b * c for b, c in zip(shard, calls)]
+    return {"replicas": replicas, "allreduces_per_rank": calls,
+            "bytes_per_rank": reduced,
+            "ring_bytes_per_rank": [2 * (replicas - 1) / replicas * b for b in reduced],
+            "allreduce_kernel_ms_per_rank": [r["profiled"].get("allreduce_kernel_ms")
+                                             for r in per_rank]}
 
 
 def plot(results, path):

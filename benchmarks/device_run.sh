@@ -223,6 +223,10 @@ if has e2e; then
     e2e_run_s="${E2E_RUN_S:-100}"; spr_default=4; mtag="_7b"
   fi
   pack="${E2E_PACK:-1}"; ptag=""; (( pack > 1 )) && ptag="_pack${pack}"
+  # E2E_MESH="R S" (issue 44): HSDP over a (replicas x shards) mesh, ODC inside each shard
+  # group against FSDP2-HSDP over NCCL; the JSON's "replicate" reports the bytes each rank
+  # all-reduces across replicas and the all-reduce kernels' time. Results e2e_*_hsdpRxS.
+  mesh="${E2E_MESH:-}"; [[ -n $mesh ]] && ptag="${ptag}_hsdp${mesh// /x}"
   cal="${E2E_CAL:-}"
   if [[ -z $cal ]]; then
     cal=$(timeout "$(capped "${E2E_CAL_TIMEOUT:-150}")" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --calibrate-only \
@@ -241,7 +245,7 @@ if has e2e; then
     declare -A seen=()
     for wc in "${runs[@]}" ${E2E_EXTRA:-}; do
       w=${wc%%:*}; c=${wc#*:}
-      tag="p${spr}${mtag}_${w}_${c//[@=,]/_}"
+      tag="p${spr}${mtag}${ptag}_${w}_${c//[@=,]/_}"
       # a repeated WORKLOAD:CONFIG (run-to-run variation) gets its own file: _r2, _r3, ...
       seen[$tag]=$(( ${seen[$tag]:-0} + 1 )); (( seen[$tag] > 1 )) && tag="${tag}_r${seen[$tag]}"
       if (( $(left) < e2e_run_s )); then
@@ -251,6 +255,7 @@ if has e2e; then
       timeout "$(capped 240)" torchrun --nproc-per-node="$gpus" benchmarks/bench_e2e.py --out "$OUT/e2e_parts" \
         --model "$model" ${E2E_OPT:+--optimizer "$E2E_OPT"} --seqs-per-rank "$spr" --minibatches "$mb" --workloads "$w" --configs "$c" \
         --pack-tokens "$pack" --rl-pack-tokens "${E2E_RL_PACK:-16384}" --calibration "$cal" \
+        ${mesh:+--mesh $mesh} \
         --tag "$tag" 2>&1 | grep -v -i warn >> "$OUT/bench_e2e${mtag}_${spr}spr.log"
       if [[ -f $OUT/e2e_parts/$tag.json ]]; then parts+=("$OUT/e2e_parts/$tag.json"); else rc=1; fi
     done

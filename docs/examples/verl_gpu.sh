@@ -2,11 +2,11 @@
 # verl 0.9.1 on the GPU machines (no package registry there): its wheels travel with the
 # device calls, 64 MiB per call, so they go in parts over several calls of one warm machine.
 #
-#   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl/verl/part*.tar, each < 58 MiB
+#   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/part*.tar, each < 58 MiB
 #   # device calls on one warm machine (nvidia-h100-x2), carrying one part each:
-#   #   carry [".whl/verl/part1.tar"]  command: bash docs/examples/verl_gpu.sh stage
+#   #   carry [".whl-verl/part1.tar"]  command: bash docs/examples/verl_gpu.sh stage
 #   #   ... part2, part3, then the last part with:
-#   #   carry [".whl/verl/part4.tar"]  command: bash docs/examples/verl_gpu.sh stage run
+#   #   carry [".whl-verl/part4.tar"]  command: bash docs/examples/verl_gpu.sh stage run
 #
 # What the GPU image lacks for `import verl` and verl's TrainingWorker (read from an
 # environment built like the image: torch 2.11, transformers 5.17.0, accelerate 1.15.0,
@@ -33,8 +33,8 @@ STAGE=.devbuild/verl-wheels
 VENV=.devbuild/verl-venv
 
 fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
-  local dl=.whl/verl/download
-  rm -rf .whl/verl && mkdir -p "$dl"
+  local dl=.whl-verl/download
+  rm -rf .whl-verl && mkdir -p "$dl"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
@@ -45,7 +45,7 @@ fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
   local part=1 size=0 limit=$((58 * 1000 * 1000)) files=()
   flush() {
     if [ ${#files[@]} -gt 0 ]; then
-      tar -cf ".whl/verl/part$part.tar" -C "$dl" "${files[@]}"
+      tar -cf ".whl-verl/part$part.tar" -C "$dl" "${files[@]}"
       part=$((part + 1)); size=0; files=()
     fi
   }
@@ -56,12 +56,12 @@ fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
   done
   flush
   rm -rf "$dl"
-  ls -l .whl/verl
+  ls -l .whl-verl
 }
 
 stage() {  # on the device: keep what this call carried (ignored paths survive while warm)
   mkdir -p "$STAGE"
-  for t in .whl/verl/part*.tar; do [ -e "$t" ] && tar -xf "$t" -C "$STAGE"; done
+  for t in .whl-verl/part*.tar; do [ -e "$t" ] && tar -xf "$t" -C "$STAGE"; done
   ls "$STAGE" | wc -l
 }
 

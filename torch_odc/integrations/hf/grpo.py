@@ -447,15 +447,16 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             tensors[key] = t
         tensors[_META] = rows.meta
         # LB-Mini's rank labels are arbitrary: keep rows in place where the plan allows.
-        moved = balance.exchange_rows(
+        exchanged = balance.exchange_rows(
             tensors, plan, [len(other["lengths"]) for other in infos],
             keep_in_place=self.odc.planner is None, where=f"{WHERE}: step {step}")
-        self._odc_note_work(moved.plan, shapes)
-        self._odc_moved = moved.moved
-        new = _Rows({key: moved.rows[key] for key, _ in layout}, moved.rows[_META])
+        self._odc_note_work(exchanged.plan, shapes)
+        self._odc_moved = exchanged.moved
+        new = _Rows({key: exchanged.rows[key] for key, _ in layout}, exchanged.rows[_META])
         meta = {(r, k): v for r, other in enumerate(infos) for k, v in other["slices"].items()}
-        counts = ([len(p) for p in moved.plan], [sum(len(m) for m in p) for p in moved.plan])
-        return new, meta, counts, moved.microbatches
+        plan = exchanged.plan
+        counts = ([len(p) for p in plan], [sum(len(m) for m in p) for p in plan])
+        return new, meta, counts, exchanged.microbatches
 
     def _odc_row_weights(self, rows: _Rows, slice_meta: dict, g: int) -> dict:
         """Per row: a (weight of its token losses in TRL's step loss), e (of its entropy sum, the

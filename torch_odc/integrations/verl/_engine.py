@@ -252,13 +252,13 @@ class ODCEngineMixin:
                 f"max_token_len_per_gpu={cap} (verl refuses it too)")
         plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
         # Rows move pickled (a TensorDict's rows may be nested tensors); rank labels as planned.
-        moved = balance.exchange_rows(
+        exchanged = balance.exchange_rows(
             data.select(*_row_keys(data)), plan, [len(part) for part in everyone], group=group,
             take=tu.index_select_tensor_dict, join=tu.concat_tensordict, where=where)
-        self._odc_received = moved.received
-        mine = moved.rows
+        self._odc_received = exchanged.received
+        mine = exchanged.rows
         _copy_non_tensor(data, mine)
-        return mine, moved.microbatches
+        return mine, exchanged.microbatches
 
     def _odc_cost_fn(self):
         if self.odc_cost == "tokens":

@@ -80,26 +80,33 @@ def _fsdp2_checked(rank, world, cfg, plan):
     disagree."""
     import torch.distributed as dist
 
-    real = dist.reduce_scatter_tensor
+    # FSDP2 reduce-scatters through dist.reduce_scatter_tensor (torch 2.11) or
+    # dist.reduce_scatter_single (2.15); both take (output, input, op, group, ...).
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
     calls = [0]
 
-    def checked(output, input, *args, **kwargs):
-        group = kwargs.get("group", args[1] if len(args) > 1 else None)
-        sizes = [None] * dist.get_world_size(group)
-        dist.all_gather_object(sizes, (input.numel(), output.numel()), group=group)
-        calls[0] += 1
-        if len(set(sizes)) > 1:
-            raise RuntimeError(
-                f"rank {rank}: FSDP2's reduce-scatter #{calls[0]} over ranks "
-                f"{dist.get_process_group_ranks(group)}: (input, output) elements per rank "
-                f"{sizes} differ; NCCL would hang here")
-        return real(output, input, *args, **kwargs)
+    def checking(name):
+        def checked(output, input, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            sizes = [None] * dist.get_world_size(group)
+            dist.all_gather_object(sizes, (input.numel(), output.numel()), group=group)
+            calls[0] += 1
+            if len(set(sizes)) > 1:
+                raise RuntimeError(
+                    f"rank {rank}: FSDP2's reduce-scatter #{calls[0]} over ranks "
+                    f"{dist.get_process_group_ranks(group)}: (input, output) elements per rank "
+                    f"{sizes} differ; NCCL would hang here")
+            return real[name](output, input, *args, **kwargs)
+        return checked
 
-    dist.reduce_scatter_tensor = checked
+    for name in names:
+        setattr(dist, name, checking(name))
     try:
         return train(rank, world, cfg, plan)
     finally:
-        dist.reduce_scatter_tensor = real
+        for name in names:
+            setattr(dist, name, real[name])
 
 
 def _odc_equals_fsdp2_hsdp_over_collectives(device):

@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 
-from test_integrations_verl import ROOT, _verl_python
+from verl_env import ROOT, verl_python
 
 
 def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
-    python = _verl_python()
+    python = verl_python()
     summary = tmp_path / "trainers.json"
     env = {**os.environ, "ODC_VERL_PYTHON": python, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

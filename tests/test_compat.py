@@ -24,15 +24,12 @@ import tempfile
 from importlib import metadata
 
 import pytest
-import torch
+from verl_env import verl_python
 
 from torch_odc.integrations import _manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTEGRATIONS = os.path.join(ROOT, "torch_odc", "integrations")
-LINE = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-VERL_PYTHON = os.environ.get("ODC_VERL_PYTHON",
-                             os.path.join(ROOT, ".venv", f"verl-{LINE}", "bin", "python"))
 FRAMEWORKS = ("transformers", "accelerate", "trl", "verl")
 
 
@@ -68,21 +65,11 @@ def test_every_hf_manifest_entry_exists_in_the_installed_package(package):
     print(f"{package} {metadata.version(package)}: {len(entries)} entries present")
 
 
-def _verl_python() -> str:
-    if not os.path.exists(VERL_PYTHON):
-        reason = (f"{VERL_PYTHON} is missing: `bash .ci/bootstrap test` builds verl's environment "
-                  f"(.venv/verl-{LINE}; it needs PyPI)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return VERL_PYTHON
-
-
 @pytest.fixture(scope="module")
 def verl_run(tmp_path_factory):
     """tests/compat_verl_cases.py under verl's python: check(), an engine constructed, and the
     same with FSDPEngine._build_fsdp_module deleted."""
-    python = _verl_python()
+    python = verl_python()
     out = tmp_path_factory.mktemp("compat") / "verl.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([python, os.path.join(ROOT, "tests", "compat_verl_cases.py"), str(out)],

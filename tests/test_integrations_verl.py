@@ -29,11 +29,7 @@ import subprocess
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINE = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-VENV = os.path.join(ROOT, ".venv", f"verl-{LINE}")
-PYTHON = os.environ.get("ODC_VERL_PYTHON", os.path.join(VENV, "bin", "python"))
+from verl_env import ROOT, verl_python
 
 # Logged values that are the same however each rank cuts its rows into microbatches (verl
 # normalizes them by the whole mini-batch); the MEAN ones (pg_clipfrac, ppo_kl, vf_clipfrac,
@@ -42,19 +38,9 @@ INVARIANT = ("loss", "grad_norm", "lr", "actor/pg_loss", "actor/entropy_loss", "
              "critic/vf_loss")
 
 
-def _verl_python() -> str:
-    if not os.path.exists(PYTHON):
-        reason = (f"{PYTHON} is missing: `bash .ci/bootstrap test` builds verl's environment "
-                  f"(.venv/verl-{LINE}; it needs PyPI)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return PYTHON
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    python = _verl_python()
+    python = verl_python()
     out = tmp_path_factory.mktemp("verl") / "runs.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([python, os.path.join(ROOT, "tests", "verl_cases.py"), str(out)],

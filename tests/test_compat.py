@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
 
 import pytest
-from verl_env import verl_python
+from verl_env import run_under_verl
 
 from torch_odc.integrations import _manifest
 
@@ -69,15 +67,8 @@ def test_every_hf_manifest_entry_exists_in_the_installed_package(package):
 def verl_run(tmp_path_factory):
     """tests/compat_verl_cases.py under verl's python: check(), an engine constructed, and the
     same with FSDPEngine._build_fsdp_module deleted."""
-    python = verl_python()
-    out = tmp_path_factory.mktemp("compat") / "verl.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([python, os.path.join(ROOT, "tests", "compat_verl_cases.py"), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
-    with open(out) as f:
-        return json.load(f)
+    return run_under_verl("compat_verl_cases.py",
+                          tmp_path_factory.mktemp("compat") / "verl.json", timeout=600)
 
 
 def test_every_verl_manifest_entry_exists_in_verls_environment(verl_run):

@@ -22,14 +22,12 @@ KL losses, vf_loss, lr) equals verl's; with equal counts every logged value does
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 
 import pytest
 import torch
-from verl_env import ROOT, verl_python
+from verl_env import ROOT, run_under_verl
 
 # Logged values that are the same however each rank cuts its rows into microbatches (verl
 # normalizes them by the whole mini-batch); the MEAN ones (pg_clipfrac, ppo_kl, vf_clipfrac,
@@ -40,15 +38,8 @@ INVARIANT = ("loss", "grad_norm", "lr", "actor/pg_loss", "actor/entropy_loss", "
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    python = verl_python()
-    out = tmp_path_factory.mktemp("verl") / "runs.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([python, os.path.join(ROOT, "tests", "verl_cases.py"), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
-    with open(out) as f:
-        found = json.load(f)
+    found = run_under_verl("verl_cases.py", tmp_path_factory.mktemp("verl") / "runs.json",
+                           timeout=900)
     print(f"verl runs: {found['wall_s']:.1f} s, {found['versions']}, per run "
           f"{ {k: round(v, 1) for k, v in found['ranks'][0]['timings'].items()} }")
     return found

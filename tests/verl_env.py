@@ -24,3 +24,18 @@ def verl_python() -> str:
             pytest.fail(reason)
         pytest.skip(reason)
     return PYTHON
+
+
+def run_under_verl(script: str, out, timeout: int) -> dict:
+    """tests/<script> under verl's python with ``out`` as its argument; returns the JSON it
+    wrote there (skips or fails as verl_python does)."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([verl_python(), os.path.join(ROOT, "tests", script), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    with open(out) as f:
+        return json.load(f)

@@ -6,6 +6,7 @@ grad_norm, learning_rate and TRL's entropy, mean_token_accuracy and num_tokens. 
 built from a config, a word-level tokenizer built in memory: nothing is downloaded."""
 
 import functools
+import math
 import os
 import random
 import tempfile
@@ -243,6 +244,11 @@ def check_derived_cap(steps, cuda=False):
         assert record["plain_tokens"] == plain, (s, record, step)
         if cuda:
             assert record["cap"] <= (plain // 2 if s == 0 else plain), (s, record)
+            if s > 0:  # the first step measured the marginal peak bytes per token
+                bpt = record["bytes_per_token"]
+                assert (0 < record["forward_bytes_per_token"] <= bpt
+                        <= record["peak_bytes_per_token"]), record
+                assert record["cap"] == max(1, plain - math.ceil(record["odc_extra_bytes"] / bpt))
         else:
             assert record["cap"] == plain, (s, record)
             assert record["padded_tokens"] <= record["cap"], record

@@ -460,6 +460,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 if probe is not None:
                     self._odc_autocap.start(self._odc_batch_tokens(batch))
                 total = total + super().training_step(model, batch, num_items)
+                if probe is not None:
+                    self._odc_autocap.stop()
         finally:
             self._odc_in_step = False
             if probe is not None:

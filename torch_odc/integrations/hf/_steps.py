@@ -101,22 +101,35 @@ class _AutoCap:
     """Each step's token cap when none is given (GPU ranks measure, CPU ranks do not).
 
     ``cap(plain)``: the step's cap from ``plain``, the padded tokens of the largest microbatch
-    the unmodified trainer would have run so far in the epoch (its peak memory so far). Until the activation bytes per token are known, half
-    of ``plain`` (the first step measures them); then ``plain`` less ODC's extra bytes (shard
-    cache and control words) in tokens. On CPU ranks ``plain`` itself.
+    the unmodified trainer would have run so far in the epoch (its peak memory so far). Until
+    the bytes per token are known, half of ``plain`` (the first step measures them); then
+    ``plain`` less ODC's extra bytes (shard cache and control words) in tokens. On CPU ranks
+    ``plain`` itself.
 
-    The measurement: per microbatch of the first step, the allocator's growth from the
-    microbatch's start to the end of its forward (the activations kept for the backward,
-    logits and loss included) per padded token, taken from the largest microbatch; the ranks
-    agree on the smallest (one all-reduce, so every rank derives the same cap and the same
-    plan). The backward's peak per token is higher than what the forward keeps, so the
-    correction in tokens errs on the side of less memory."""
+    The measurement, over the first step's microbatches (every rank's): a microbatch's peak
+    grows with its tokens as ``a + b * tokens`` (``a``: what every microbatch allocates, such
+    as gathered parameters and gradient buffers; ``b``: activations, logits and their
+    gradients per token). Trading ``extra`` bytes for tokens at the same peak takes
+    ``extra / b`` tokens, so ``b`` is the marginal peak per token, fitted by least squares to
+    the points (padded tokens, allocator peak over the microbatch's forward and backward less
+    what was allocated at its start). The fit is bounded below by what the forward keeps per
+    token (the peak cannot grow slower) and above by the largest microbatch's peak per token
+    (``a >= 0``); below three points or a spread of sizes under 25 %, the lower bound. The ranks
+    share their points (one all-reduce), so every rank derives the same cap and the same plan.
+
+    The measuring step resets the allocator's peak statistics at each of its microbatches
+    (``torch.cuda.reset_peak_memory_stats``): a peak from before the first step is not kept."""
+
+    MAX_POINTS = 32      # microbatches per rank the first step measures
+    MIN_SPREAD = 1.25    # largest / smallest tokens for a slope
 
     def __init__(self):
         self.bytes_per_token: float | None = None
+        self.fit: dict = {}
         self.extra_bytes = 0
-        self._sample: tuple[int, float] | None = None  # (padded tokens, bytes/token)
+        self._points: list[tuple[int, float, float]] = []  # tokens, forward kept, peak growth
         self._start: tuple[int, int] | None = None
+        self._forward: float = 0.0
 
     @staticmethod
     def measures() -> bool:
@@ -130,39 +143,83 @@ class _AutoCap:
         return max(1, plain - math.ceil(self.extra_bytes / self.bytes_per_token))
 
     def describe(self) -> dict:
-        return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes}
+        return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes,
+                **self.fit}
 
     @property
     def measuring(self) -> bool:
         return self.bytes_per_token is None and self.measures()
 
     def start(self, tokens: int) -> None:
+        """Before a measured microbatch's forward."""
+        torch.cuda.reset_peak_memory_stats()
         self._start = (tokens, torch.cuda.memory_allocated())
+        self._forward = 0.0
 
     def after_forward(self, *_args) -> None:
+        if self._start is not None:
+            self._forward = float(torch.cuda.memory_allocated() - self._start[1])
+
+    def stop(self) -> None:
+        """After a measured microbatch's backward."""
         if self._start is None:
             return
         tokens, before = self._start
         self._start = None
-        grown = torch.cuda.memory_allocated() - before
-        if tokens > 0 and grown > 0 and (self._sample is None or tokens > self._sample[0]):
-            self._sample = (tokens, grown / tokens)
+        peak = float(torch.cuda.max_memory_allocated() - before)
+        if tokens > 0 and peak > 0 and len(self._points) < self.MAX_POINTS:
+            self._points.append((tokens, max(self._forward, 0.0), peak))
 
     def finish_step(self, handle) -> None:
-        """After the first measured step's barrier (every rank): agree on the bytes per token
-        and read ODC's extra bytes from the handle."""
+        """After the first measured step's barrier (every rank): share the points, fit the
+        bytes per token, read ODC's extra bytes from the handle."""
         if not self.measuring:
             return
-        mine = self._sample[1] if self._sample is not None else math.inf
         memory = handle.stats().get("memory", {}) if handle is not None else {}
         extra = memory.get("published_cache_bytes", 0) + memory.get("control_bytes", 0)
-        t = torch.tensor([-mine, float(extra)], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if math.isfinite(-float(t[0])):
-            self.bytes_per_token = -float(t[0])
-            self.extra_bytes = int(t[1])
-        self._sample = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        t = torch.zeros(world, self.MAX_POINTS + 1, 3, dtype=torch.float64)
+        t[rank, 0, 0] = float(extra)
+        for k, point in enumerate(self._points):
+            t[rank, k + 1] = torch.tensor(point, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        self._points = []
+        points = [tuple(float(x) for x in row) for row in t[:, 1:].reshape(-1, 3).tolist()
+                  if row[0] > 0]
+        fitted = fit_bytes_per_token(points)
+        if fitted is not None:
+            self.bytes_per_token, self.fit = fitted
+            self.extra_bytes = int(t[:, 0, 0].max())
+
+
+def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
+                        ) -> tuple[float, dict] | None:
+    """The marginal peak bytes per token from ``points`` (tokens, forward-kept bytes, peak
+    bytes of a microbatch over its start; see ``_AutoCap``) and how it was found, or None
+    without a point. Every rank computes it from the same points."""
+    points = [p for p in points if p[0] > 0 and p[2] > 0]
+    if not points:
+        return None
+    largest = max(points, key=lambda p: (p[0], p[2]))
+    upper = largest[2] / largest[0]
+    # The forward keeps at least this much per token on every microbatch of that size.
+    lower = min(min(p[1] for p in points if p[0] == largest[0]) / largest[0], upper)
+    tokens = [p[0] for p in points]
+    info = {"points": len(points), "forward_bytes_per_token": lower,
+            "peak_bytes_per_token": upper, "slope_bytes_per_token": None}
+    if len(points) >= 3 and max(tokens) >= _AutoCap.MIN_SPREAD * min(tokens):
+        n = len(points)
+        mx = math.fsum(tokens) / n
+        my = math.fsum(p[2] for p in points) / n
+        sxx = math.fsum((x - mx) ** 2 for x in tokens)
+        sxy = math.fsum((p[0] - mx) * (p[2] - my) for p in points)
+        info["slope_bytes_per_token"] = slope = sxy / sxx
+        if lower > 0:
+            return min(max(slope, lower), upper), info
+        return (min(slope, upper), info) if slope > 0 else None
+    return (lower, info) if lower > 0 else None
 
 
 class _LBMini:

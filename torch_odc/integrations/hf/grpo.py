@@ -281,6 +281,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 if probe is not None:
                     self._odc_autocap.start(tokens)
                 total = total + Trainer.training_step(self, model, batch, None)
+                if probe is not None:
+                    self._odc_autocap.stop()
         finally:
             self._odc_in_step = False
             if probe is not None:

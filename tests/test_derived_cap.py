@@ -52,3 +52,14 @@ def test_every_rank_derives_the_same_figure_whatever_the_order_of_the_points():
     assert all(fit_bytes_per_token(p)[0] == ref
                for p in (pts[::-1], pts[3:] + pts[:3], sorted(pts, key=lambda p: -p[2])))
     assert math.isfinite(ref)
+
+
+def test_the_microbatch_furthest_above_the_line_sets_the_margin_kept_free():
+    pts = points(3e9, 220e3, 110e3, [2000, 3500, 5000, 7000])
+    assert fit_bytes_per_token(pts)[1]["margin_bytes"] == pytest.approx(0, abs=1e-3)
+    pts[2] = (5000, 110e3 * 5000, 3e9 + 220e3 * 5000 + 80e6)  # 80 MB above the others' line
+    b, info = fit_bytes_per_token(pts)
+    a = sum(p[2] - b * p[0] for p in pts) / len(pts)  # the fitted line's intercept
+    residual = max(p[2] - (a + b * p[0]) for p in pts)
+    assert info["margin_bytes"] == pytest.approx(residual)
+    assert 40e6 < info["margin_bytes"] < 80e6  # the fit absorbs part of the outlier

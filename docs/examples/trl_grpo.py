@@ -222,7 +222,9 @@ def main() -> None:
                              moved=step["moved"],
                              **{k: step[k] for k in ("cap", "padded_per_rank",
                                                      "plain_padded_per_rank", "bytes_per_token",
-                                                     "odc_extra_bytes", "plain_tokens") if k in step})
+                                                     "odc_extra_bytes", "plain_tokens", "padded_tokens",
+                                                     "slope_bytes_per_token", "margin_bytes",
+                                                     "points") if k in step})
             clock[0], clock[1], phases["rollout"] = now, tokens, 0.0
             log.append(entry)
             if rank == 0:

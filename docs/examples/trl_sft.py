@@ -187,7 +187,9 @@ def main() -> None:
                 record = trainer.odc_steps[-1]
                 entry.update({k: record[k] for k in ("microbatches", "cap", "padded_per_rank",
                                                      "plain_padded_per_rank", "bytes_per_token",
-                                                     "odc_extra_bytes", "plain_tokens") if k in record})
+                                                     "odc_extra_bytes", "plain_tokens", "padded_tokens",
+                                                     "slope_bytes_per_token", "margin_bytes",
+                                                     "points") if k in record})
             clock[0] = now
             log.append(entry)
             if rank == 0:

@@ -112,7 +112,8 @@ class _AutoCap:
     gradients per token). Trading ``extra`` bytes for tokens at the same peak takes
     ``extra / b`` tokens, so ``b`` is the marginal peak per token, fitted by least squares to
     the points (padded tokens, allocator peak over the microbatch's forward and backward less
-    what was allocated at its start). The fit is bounded below by what the forward keeps per
+    what was allocated at its start); the largest amount by which a point lies above the line
+    is kept free as well (``margin_bytes``, counted in ``extra_bytes``). The fit is bounded below by what the forward keeps per
     token (the peak cannot grow slower) and above by the largest microbatch's peak per token
     (``a >= 0``); below three points or a spread of sizes under 25 %, the lower bound. The ranks
     share their points (one all-reduce), so every rank derives the same cap and the same plan.
@@ -191,7 +192,7 @@ class _AutoCap:
         fitted = fit_bytes_per_token(points)
         if fitted is not None:
             self.bytes_per_token, self.fit = fitted
-            self.extra_bytes = int(t[:, 0, 0].max())
+            self.extra_bytes = int(t[:, 0, 0].max()) + math.ceil(self.fit.get("margin_bytes", 0))
 
 
 def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
@@ -208,7 +209,7 @@ def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
     lower = min(min(p[1] for p in points if p[0] == largest[0]) / largest[0], upper)
     tokens = [p[0] for p in points]
     info = {"points": len(points), "forward_bytes_per_token": lower,
-            "peak_bytes_per_token": upper, "slope_bytes_per_token": None}
+            "peak_bytes_per_token": upper, "slope_bytes_per_token": None, "margin_bytes": 0.0}
     if len(points) >= 3 and max(tokens) >= _AutoCap.MIN_SPREAD * min(tokens):
         n = len(points)
         mx = math.fsum(tokens) / n
@@ -216,9 +217,14 @@ def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
         sxx = math.fsum((x - mx) ** 2 for x in tokens)
         sxy = math.fsum((p[0] - mx) * (p[2] - my) for p in points)
         info["slope_bytes_per_token"] = slope = sxy / sxx
-        if lower > 0:
-            return min(max(slope, lower), upper), info
-        return (min(slope, upper), info) if slope > 0 else None
+        b = min(max(slope, lower), upper) if lower > 0 else min(slope, upper)
+        if b <= 0:
+            return None
+        # The microbatch furthest above the fitted line (its rows laid out less compactly
+        # than their padded tokens say): as much again is kept free.
+        a = my - b * mx
+        info["margin_bytes"] = max(0.0, max(p[2] - (a + b * p[0]) for p in points))
+        return b, info
     return (lower, info) if lower > 0 else None
 
 

@@ -44,7 +44,12 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "trl
       tests/test_integrations_hf_lora.py -k "${TESTS_K:-gpu}" 2>&1 | grep -v -i warn \
       | tee "$work/hf_gpu_tests.log" | tail -25 || rc=1
   fi
-  export ODC_COMMIT="${ODC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  # The device copy's git HEAD can be older than the tree that travelled: say so in the commit.
+  if [[ -z ${ODC_COMMIT:-} ]]; then
+    ODC_COMMIT=$(git rev-parse --short HEAD 2>/dev/null)
+    git diff --quiet HEAD -- . 2>/dev/null || ODC_COMMIT="${ODC_COMMIT}+uncommitted-or-newer"
+  fi
+  export ODC_COMMIT
   for trainer in sft dpo grpo; do
     has "$trainer" || continue
     for n in ${NPROCS:-2 4}; do

@@ -1,36 +1,82 @@
 #!/usr/bin/env bash
-# verl 0.9.1 on the GPU machines (no package registry there): its wheels travel with the
-# device calls, 64 MiB per call, so they go in parts over several calls of one warm machine.
+# verl 0.9.1 on the GPU machines (no package registry there): the wheels the image lacks travel
+# with ONE device call (64 MiB with the repository) as one plain tar, .whl-verl/verl-gpu.tar.
 #
-#   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/part*.tar, each < 58 MiB
-#   # device calls on one warm machine (nvidia-h100-x2), carrying one part each:
-#   #   carry [".whl-verl/part1.tar"]  command: bash docs/examples/verl_gpu.sh stage
-#   #   ... part2, part3, then the last part with:
-#   #   carry [".whl-verl/part4.tar"]  command: bash docs/examples/verl_gpu.sh stage run
+#   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/verl-gpu.tar, < 45 MB
+#   # one device call (nvidia-h100-x4, or -x2 for NPROCS=2):
+#   #   carry [".whl-verl/verl-gpu.tar"]  command: bash docs/examples/verl_gpu.sh run
 #
 # What the GPU image lacks for `import verl` and verl's TrainingWorker (read from an
 # environment built like the image: torch 2.11, transformers 5.17.0, accelerate 1.15.0,
-# peft 0.21.0): ray (verl/protocol.py imports it), tensordict, omegaconf, codetiming, datasets
-# (with pyarrow, pandas, multiprocess, dill, xxhash), pillow, uvicorn, fastapi, starlette and
-# their small dependencies: 35 wheels, 157 MB (ray 79 MB, pyarrow 55 MB). verl's metadata pins
-# transformers < 5.11, but the image's 5.17.0 runs these paths: tests/verl_cases.py passed with
-# it (see docs/integrations.md), so the wheels are installed with --no-deps next to the image's
-# packages. `run` then builds torch_odc, runs the verl tests, `benchmarks/bench_trl.py verl` on
-# each GPU count of $NPROCS (default "2 4": verl's fsdp2 engine vs odc with LB-Mini, a 1B model,
-# long-tailed rollouts; rows into $OUT/trainers.json) and an fp32 parameter check on 2 GPUs.
+# peft 0.21.0): ray (verl/protocol.py imports it), tensordict (+ pyvers), omegaconf (+ antlr4
+# runtime, built here from its sdist), codetiming, datasets (+ multiprocess, dill), pydantic
+# (+ pydantic-core, annotated-types, typing-inspection: verl/workers/rollout/replica.py imports
+# it on the TrainingWorker path, and the image has none), uvicorn, fastapi, starlette and ray's
+# small dependencies: 24 wheels. The rest of what they import
+# (pandas, pyarrow, pillow, protobuf, msgpack, attrs, requests, urllib3, charset-normalizer,
+# six, python-dateutil, xxhash, zipp, cloudpickle, psutil, pyyaml, numpy, ...) is in the image
+# (/work/.library/device/KINDS.md, "Python packages already there") and does not travel;
+# datasets 5.2.0 runs against the image's pyarrow and pandas.
+# (Checked on the CPU: the path's imports succeed with only the image's packages and these
+# wheels visible, ray pruned as below.)
+#
+# ray is pruned: its 79 MB wheel (201 MB unpacked) carries the cluster's executables, which
+# only `ray.init()` / `ray start` use. This path (torchrun + verl's TrainingWorker,
+# docs/examples/verl_ppo.py, benchmarks/bench_trl.py verl) imports ray (verl/protocol.py does,
+# at module level) and never starts a cluster. `fetch` removes from the wheel, and from its
+# RECORD:
+#   ray/core/src/ray/gcs/gcs_server   the GCS server executable (40 MB)
+#   ray/core/src/ray/raylet/raylet    the raylet executable (35 MB)
+#   ray/jars/                         ray_dist.jar, for Java workers (35 MB)
+#   ray/dashboard/client/build/       the dashboard's web client (JS and source maps, 9 MB)
+# and re-zips it at deflate level 9 (22 MB). `import ray` needs ray/_raylet.so (44 MB), which
+# stays. Were a path ever to start a cluster, `ray.init()` would fail loudly (the gcs_server /
+# raylet executable is missing) rather than run differently.
+#
+# verl's metadata pins transformers < 5.11, but the image's 5.17.0 runs these paths:
+# tests/verl_cases.py passed with it (see docs/integrations.md), so the wheels are installed
+# with --no-deps into a --system-site-packages venv. `run` then builds torch_odc, runs the verl
+# tests, `benchmarks/bench_trl.py verl` on each GPU count of $NPROCS (default "2 4": verl's
+# fsdp2 engine vs odc with LB-Mini, a 1B model, long-tailed rollouts; rows into
+# $OUT/trainers.json, labelled with $ODC_DEVICE_KIND, else the kind read from nvidia-smi) and
+# an fp32 parameter check on 2 GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-benchmarks/results}"
 WHEELS=(verl==0.9.1 ray==2.60.0 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.1
-        codetiming==1.4.0 datasets==5.2.0 pyarrow==26.0.1 pandas==3.1.1 python-dateutil==4.0.0
-        six==1.17.0 tzdata==2026.6 multiprocess==0.70.19 dill==0.4.1 xxhash==4.1.0
-        pillow==13.0.0 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0
-        opentelemetry-api==1.45.2 importlib-metadata==10.2.0 zipp==4.1.2 msgpack==1.2.4
-        protobuf==7.36.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
-        referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 requests==2.34.2
-        urllib3==2.8.0 charset-normalizer==3.5.3 orjson==3.13.0 cloudpickle==3.1.3)
+        codetiming==1.4.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1
+        uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2
+        importlib-metadata==10.2.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+        referencing==0.37.0 rpds-py==2026.9.1 orjson==3.13.0 pydantic==2.14.4
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+TAR=.whl-verl/verl-gpu.tar
 STAGE=.devbuild/verl-wheels
 VENV=.devbuild/verl-venv
+
+# ray's wheel without the cluster-only files (the header says which and why).
+prune_ray() {
+  python3 - "$1" "$2" <<'PY'
+import sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+PRUNE = ("ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet", "ray/jars/",
+         "ray/dashboard/client/build/")
+drop = lambda name: name.startswith(PRUNE)
+gone = 0
+with zipfile.ZipFile(src) as zi, \
+        zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zo:
+    for info in zi.infolist():
+        if drop(info.filename):
+            gone += info.file_size
+            continue
+        data = zi.read(info)
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = "".join(l for l in data.decode().splitlines(True)
+                           if not drop(l.split(",")[0])).encode()
+        zo.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    assert "ray/_raylet.so" in zo.namelist()
+print(f"ray: pruned {gone / 1e6:.0f} MB unpacked")
+PY
+}
 
 fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
   local dl=.whl-verl/download
@@ -40,38 +86,29 @@ fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
     -d "$dl" "${WHEELS[@]}"
   python3 -m pip wheel -q --no-deps -w "$dl" antlr4-python3-runtime==4.9.3  # sdist only
-  (cd "$dl" && for w in ray-*.whl; do split -b 40m "$w" "$w.split-" && rm "$w"; done)
-  # Parts of at most ~58 MB (a device call carries 64 MiB with the repository).
-  local part=1 size=0 limit=$((58 * 1000 * 1000)) files=()
-  flush() {
-    if [ ${#files[@]} -gt 0 ]; then
-      tar -cf ".whl-verl/part$part.tar" -C "$dl" "${files[@]}"
-      part=$((part + 1)); size=0; files=()
-    fi
-  }
-  for f in $(cd "$dl" && ls -S); do
-    s=$(stat -c %s "$dl/$f")
-    if (( size + s > limit )); then flush; fi
-    files+=("$f"); size=$((size + s))
-  done
-  flush
+  local w
+  for w in "$dl"/ray-*.whl; do prune_ray "$w" "$w.pruned" && mv -f "$w.pruned" "$w"; done
+  # Plain tar: the wheels are compressed already (xz over it saved ~2%).
+  tar -cf "$TAR" -C "$dl" $(cd "$dl" && ls)
   rm -rf "$dl"
-  ls -l .whl-verl
-}
-
-stage() {  # on the device: keep what this call carried (ignored paths survive while warm)
-  mkdir -p "$STAGE"
-  for t in .whl-verl/part*.tar; do [ -e "$t" ] && tar -xf "$t" -C "$STAGE"; done
-  ls "$STAGE" | wc -l
+  tar -tvf "$TAR"
+  ls -l "$TAR"
+  local size; size=$(stat -c %s "$TAR")
+  echo "$TAR: $((size / 1000000)) MB ($size bytes)"
+  (( size < 45 * 1000 * 1000 )) || { echo "$TAR is over 45 MB" >&2; exit 1; }
 }
 
 run() {
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4
   mkdir -p "$OUT"
-  (cd "$STAGE" && for f in ray-*.whl.split-aa; do w=${f%.split-aa}; cat "$w".split-* > "$w"; done)
-  python3 -m venv --system-site-packages "$VENV"
-  "$VENV/bin/python" -m pip install -q --no-index --no-deps "$STAGE"/*.whl
+  # The wheels this call carried (fetch); the venv sees the image's packages and its pip.
+  rm -rf "$STAGE" && mkdir -p "$STAGE"
+  tar -xf "$TAR" -C "$STAGE"
+  python3 -m venv --system-site-packages --without-pip "$VENV"
+  "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile "$STAGE"/*.whl
+  "$VENV/bin/python" -c 'import verl.workers.engine_workers, datasets, ray
+print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/verl_build.log" 2>&1 || {
     tail -30 "$OUT/verl_build.log"; exit 1; }
   local py="$PWD/$VENV/bin/python" rc=0
@@ -83,9 +120,25 @@ run() {
   # per GPU on each count of $NPROCS: benchmarks/bench_trl.py verl (a 1B Qwen2 shape,
   # long-tailed responses up to 4096 tokens, 8192 tokens per microbatch, bf16, 14 steps after
   # 3 warm-up), a row each into trainers.json.
-  export ODC_COMMIT="${ODC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  # The device copy's git HEAD can be older than the tree that travelled: say so in the commit
+  # (as benchmarks/device_trl.sh does).
+  if [[ -z ${ODC_COMMIT:-} ]]; then
+    ODC_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || true)
+    git diff --quiet HEAD -- . 2>/dev/null || ODC_COMMIT="${ODC_COMMIT}+uncommitted-or-newer"
+  fi
+  export ODC_COMMIT
   local gpus n
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  # The kind bench_trl.py records in each row (--kind, default $ODC_DEVICE_KIND): the lent
+  # kinds' names, nvidia-h100-x<N> / nvidia-h200-x<N> (one H200: nvidia-h200).
+  if [[ -z ${ODC_DEVICE_KIND:-} ]]; then
+    local card=h100
+    [[ $(nvidia-smi -L 2>/dev/null) == *H200* ]] && card=h200
+    ODC_DEVICE_KIND="nvidia-$card-x$gpus"
+    [[ $ODC_DEVICE_KIND == nvidia-h200-x1 ]] && ODC_DEVICE_KIND=nvidia-h200
+  fi
+  export ODC_DEVICE_KIND
+  echo "commit $ODC_COMMIT, kind $ODC_DEVICE_KIND, $gpus GPUs"
   for n in ${NPROCS:-2 4}; do
     (( n <= gpus )) || continue
     ODC_VERL_PYTHON="$py" timeout "${BENCH_TIMEOUT:-600}" python3 benchmarks/bench_trl.py verl \
@@ -99,7 +152,7 @@ run() {
   return $rc
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 fetch | stage [run] | run" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 fetch | run" >&2; exit 2; }
 for step in "$@"; do
-  case $step in fetch|stage|run) "$step" ;; *) echo "unknown step $step" >&2; exit 2;; esac
+  case $step in fetch|run) "$step" ;; *) echo "unknown step $step" >&2; exit 2;; esac
 done

@@ -5,6 +5,10 @@
 #   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/verl-gpu.tar, < 45 MB
 #   # one device call (nvidia-h100-x4, or -x2 for NPROCS=2):
 #   #   carry [".whl-verl/verl-gpu.tar"]  command: bash docs/examples/verl_gpu.sh run
+#   # results: $OUT/results.tgz (packed every 15 s) and $OUT/trainers.json. Order: the
+#   # benchmark per GPU count (BENCH_TIMEOUT, default 300 s each), the fp32 check
+#   # (CHECK_TIMEOUT 150), the CPU-rank tests (TESTS_TIMEOUT 150): within a 600 s call use
+#   # NPROCS=2, or NPROCS="2 4" with BENCH_TIMEOUT=200.
 #
 # What the GPU image lacks for `import verl` and verl's TrainingWorker (read from an
 # environment built like the image: torch 2.11, transformers 5.17.0, accelerate 1.15.0,
@@ -101,7 +105,14 @@ fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
 run() {
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4
-  mkdir -p "$OUT"
+  # Results go to a local folder packed into $OUT/results.tgz every 15 s (a device call
+  # returns at most 8 files, and what is under $OUT when it is stopped at its limit).
+  local final="$OUT"
+  OUT=/tmp/odc_verl_results
+  rm -rf "$OUT" && mkdir -p "$OUT" "$final"
+  ( while sleep 15; do tar -czf "$final/partial.tgz" -C "$OUT" . 2>/dev/null \
+      && mv -f "$final/partial.tgz" "$final/results.tgz"; done ) &
+  local packer=$!
   # The wheels this call carried (fetch); the venv sees the image's packages and its pip.
   rm -rf "$STAGE" && mkdir -p "$STAGE"
   tar -xf "$TAR" -C "$STAGE"
@@ -113,9 +124,6 @@ print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
     tail -30 "$OUT/verl_build.log"; exit 1; }
   local py="$PWD/$VENV/bin/python" rc=0
   export PYTHONPATH="$PWD"
-  # The CPU-rank tests, under this environment (the image's transformers 5.17.0).
-  ODC_VERL_PYTHON="$py" timeout 600 python3 -m pytest tests/test_integrations_verl.py -q \
-    -p no:cacheprovider -s 2>&1 | tee "$OUT/verl_tests_gpu_image.log" | tail -5 || rc=1
   # verl's actor update, ODC (LB-Mini) vs verl's fsdp2 engine (NCCL, equal counts), one rank
   # per GPU on each count of $NPROCS: benchmarks/bench_trl.py verl (a 1B Qwen2 shape,
   # long-tailed responses up to 4096 tokens, 8192 tokens per microbatch, bf16, 14 steps after
@@ -141,14 +149,20 @@ print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
   echo "commit $ODC_COMMIT, kind $ODC_DEVICE_KIND, $gpus GPUs"
   for n in ${NPROCS:-2 4}; do
     (( n <= gpus )) || continue
-    ODC_VERL_PYTHON="$py" timeout "${BENCH_TIMEOUT:-600}" python3 benchmarks/bench_trl.py verl \
+    ODC_VERL_PYTHON="$py" timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_trl.py verl \
       --nproc "$n" --out "$OUT" --summary "$OUT/trainers.json" 2>&1 | grep -v -i warn \
       | tee "$OUT/bench_verl_${n}.log" | tail -8 || rc=1
   done
   # fp32 for the parameter check over NCCL (bf16 differs by rounding).
-  timeout 600 "$py" -m torch.distributed.run --nproc-per-node 2 docs/examples/verl_ppo.py \
+  timeout "${CHECK_TIMEOUT:-150}" "$py" -m torch.distributed.run --nproc-per-node 2 docs/examples/verl_ppo.py \
     --size small --dtype fp32 --steps 3 --lr 1e-4 --out "$OUT/verl_fp32" 2>&1 \
     | grep -v -i warn | tee "$OUT/verl_ppo_small_fp32_2gpu.log" | tail -8 || rc=1
+  # Last, the CPU-rank tests, under this environment (the image's transformers 5.17.0).
+  ODC_VERL_PYTHON="$py" timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest \
+    tests/test_integrations_verl.py -q -p no:cacheprovider -s 2>&1 \
+    | tee "$OUT/verl_tests_gpu_image.log" | tail -5 || rc=1
+  kill "$packer" 2>/dev/null
+  tar -czf "$final/results.tgz" -C "$OUT" . && cp -f "$OUT/trainers.json" "$final/" 2>/dev/null
   return $rc
 }
 

@@ -52,7 +52,8 @@ WHEELS=(verl==0.9.1 ray==2.60.0 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.
         uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2
         importlib-metadata==10.2.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
         referencing==0.37.0 rpds-py==2026.9.1 orjson==3.13.0 pydantic==2.14.4
-        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+        typing-extensions==4.16.0)  # pydantic 2.14 needs >= 4.16; the image's may be older
 TAR=.whl-verl/verl-gpu.tar
 STAGE=.devbuild/verl-wheels
 VENV=.devbuild/verl-venv

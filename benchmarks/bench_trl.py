@@ -49,6 +49,7 @@ carried as wheels (benchmarks/device_trl.sh installs them); the script records e
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -216,15 +217,19 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
     print(f"== {variant}: {shlex.join(cmd)}", flush=True)
     log.write(f"== {variant}: {shlex.join(cmd)}\n")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
-    log.write(proc.stdout + proc.stderr)
-    log.flush()
-    for line in proc.stdout.splitlines():
-        if line.startswith("step "):
-            print(f"   {line}", flush=True)
+    # Streamed into the log line by line: a run stopped from outside (a device call's limit)
+    # still leaves what it printed.
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            tail.append(line.rstrip("\n"))
+            if line.startswith("step "):
+                print(f"   {line.rstrip()}", flush=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise SystemExit(f"{variant} failed (exit {proc.returncode}):\n{tail}")
+        raise SystemExit(f"{variant} failed (exit {proc.returncode}):\n" + "\n".join(tail))
     with open(os.path.join(out, mode.log_name)) as f:
         result = json.load(f)
     result["wall_seconds"] = time.perf_counter() - start
@@ -286,6 +291,20 @@ def update_summary(path: str, row: dict) -> None:
         json.dump({"rows": rows}, f, indent=1)
 
 
+def _record(args, hardware, commit, warmup, commands, summary, results, partial) -> dict:
+    versions = _versions()
+    for result in results.values():  # what the example's own interpreter ran (verl's venv)
+        versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
+                         if v is not None})
+    record = {"mode": args.mode, "hardware": hardware, "kind": args.kind, "nproc": args.nproc,
+              "versions": versions, "commit": commit, "warmup_steps": warmup,
+              "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
+              "summary": summary, "runs": results}
+    if partial:
+        record["partial"] = True
+    return record
+
+
 def main() -> None:
     argv = sys.argv[1:]
     extra = []
@@ -317,6 +336,7 @@ def main() -> None:
     stem = f"bench_trl_{args.mode}_{args.nproc}{'cpu' if args.cpu else 'gpu'}"
     workdir = tempfile.mkdtemp(prefix=f"{stem}-")
     results, summary, commands, peaks = {}, {}, {}, {}
+    hardware, commit = _hardware(args.cpu), _commit()
     with open(os.path.join(args.out, f"{stem}.log"), "w") as log:
         for variant in variants:
             result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu, workdir, log)
@@ -327,19 +347,13 @@ def main() -> None:
             summary[variant] = _rates(steps, result["meta"]["world"], mode.unit)
             peaks[variant] = _peak(result)
             summary[variant]["peak_memory_gib"] = peaks[variant]
-    hardware = _hardware(args.cpu)
-    commit = _commit()
+            # Written after every variant (marked partial until the last): a run stopped
+            # later keeps the variants that finished.
+            record = _record(args, hardware, commit, warmup, commands, summary, results,
+                             partial=len(results) < len(variants))
+            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+                json.dump(record, f, indent=1)
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
-    versions = _versions()
-    for result in results.values():  # what the example's own interpreter ran (verl's venv)
-        versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
-                         if v is not None})
-    record = {"mode": args.mode, "hardware": hardware, "kind": args.kind, "nproc": args.nproc,
-              "versions": versions, "commit": commit, "warmup_steps": warmup,
-              "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
-              "summary": summary, "runs": results}
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-        json.dump(record, f, indent=1)
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
          f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
          f"({commit[:7] if commit else '?'})")

@@ -1,7 +1,8 @@
-"""benchmarks/bench_trl.py verl on 2 CPU ranks: the benchmark a user reruns for verl's actor
-update runs both variants through verl's own environment and reports what the trainers table
-needs (its numbers on CPU say nothing about GPUs). Skipped like the verl tests without verl's
-environment (a failure in CI, whose bootstrap builds it)."""
+"""benchmarks/bench_trl.py on 2 CPU ranks (its numbers on CPU say nothing about GPUs): verl's
+actor update runs both variants through verl's own environment and reports what the trainers
+table needs (skipped like the verl tests without verl's environment: a failure in CI, whose
+bootstrap builds it); SFTTrainer's run streams each variant's output into the log and leaves a
+complete record and a trainers row."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from verl_env import ROOT, verl_python
 
 
@@ -42,3 +44,22 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
     for o, p in zip(odc["steps"], plain["steps"], strict=True):
         assert abs(o["loss"] - p["loss"]) <= 1e-4 * max(1.0, abs(p["loss"])), (o, p)
     assert (tmp_path / "bench_trl_verl_2cpu.png").exists()
+
+
+def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
+    pytest.importorskip("trl")
+    summary = tmp_path / "trainers.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "sft", "--cpu",
+         "--nproc", "2", "--out", str(tmp_path), "--summary", str(summary), "--kind", "cpu"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+        timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(summary.read_text())["rows"]
+    assert row["trainer"] == "sft" and row["speedup"] > 0 and row["bound"] > 0, row
+    record = json.loads((tmp_path / "bench_trl_sft_2cpu.json").read_text())
+    assert "partial" not in record and set(record["runs"]) == {"odc", "plain"}
+    steps = len(record["runs"]["odc"]["steps"])
+    # Both variants' step lines, as the examples printed them, are in the log.
+    log = (tmp_path / "bench_trl_sft_2cpu.log").read_text().splitlines()
+    assert sum(line.startswith("step ") for line in log) == 2 * steps, log[-20:]

@@ -152,8 +152,7 @@ class _AutoCap:
 
     def describe(self) -> dict:
         return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes,
-                "odc_bytes": self.odc_bytes,
-                **self.fit}
+                "odc_bytes": self.odc_bytes, **self.fit}
 
     @property
     def measuring(self) -> bool:

@@ -39,10 +39,10 @@ LR = 2e-2
 MAX_GRAD_NORM = 0.05  # below every step's norm here (LoRA ~0.1): clipping acts in every step
 ATOL = 1e-5
 # On GPUs the kernels' summation order follows the microbatch shapes, which the derived cap
-# (the AUTO_KINDS) packs differently from the reference's; AdamW divides each gradient by its running RMS, so
-# an embedding row that few tokens touch turns a 1e-7 gradient difference into ~1e-5 (seen:
-# 1.1e-5 on one of 2048 elements). A microbatch lost or run twice moves every touched
-# parameter by about the learning rate (2e-2).
+# (the AUTO_KINDS) packs differently from the reference's; AdamW divides each gradient by its
+# running RMS, so an embedding row that few tokens touch turns a 1e-7 gradient difference into
+# ~1e-5 (seen: 1.1e-5 on one of 2048 elements). A microbatch lost or run twice moves every
+# touched parameter by about the learning rate (2e-2).
 ATOL_CUDA = 5e-5
 # plan[step][rank]: microbatches as positions into the step's 6 sequences. Step 2 is LB-Mini's.
 FIXED_PLANS = {

@@ -14,7 +14,7 @@ table last.
 
 Everything after ``--`` goes to the example unchanged (both variants). Steps before --warmup are
 left out of the rates (the first ones compile kernels and grow the allocator; ODC's first step
-measures the activation bytes per token at half the derived cap).
+measures the marginal peak bytes per token at half the derived cap).
 
 Both variants run the example with the same arguments: ``odc`` with ``odc_trainer(...)`` on the
 "odc" group and no ``max_tokens_per_microbatch`` (the derived cap: no ODC microbatch holds more

@@ -28,7 +28,9 @@ its own fsdp2 engine (equal microbatch counts, the driver's equal-count dispatch
 compares each rank's tokens as dispatched with those LB-Mini gives it.
 
 Reported per variant: tokens/s per GPU (non-padding tokens of the measured steps over their
-time), seconds per step, each rank's peak memory (torch's allocator peak plus the memory ODC
+time), the same without the seconds spent compiling TRL's Triton kernels (``steady_``: each
+variant starts from an empty Triton cache of its own and compiles on first use of each kernel
+specialization, one to a few seconds each, once per machine), seconds per step, each rank's peak memory (torch's allocator peak plus the memory ODC
 holds outside it), and for GRPO the rollout phase (generation, rewards, old/reference log-probs)
 and the update phase (the rest: what ODC changes) apart. The planner's bound: the sum over the
 measured steps of the slowest rank's padded tokens as the unmodified trainer runs them, over the
@@ -93,6 +95,15 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
         out.update(rollout_seconds_per_step=rollout / len(steps),
                    update_seconds_per_step=(seconds - rollout) / len(steps),
                    update_tokens_per_s_per_gpu=tokens / (seconds - rollout) / world)
+    if steps and "jit_seconds" in steps[0]:
+        # Triton compilation (docs/examples/_jit_clock.py): once per machine, so also the
+        # rates without it (the steady state a long run sees).
+        jit = sum(s["jit_seconds"] for s in steps)
+        out.update(jit_seconds=jit, steady_tokens_per_s_per_gpu=tokens / (seconds - jit) / world)
+        if "update_tokens_per_s_per_gpu" in out:
+            update_jit = jit - sum(s.get("rollout_jit_seconds", 0.0) for s in steps)
+            out.update(update_jit_seconds=update_jit, steady_update_tokens_per_s_per_gpu=(
+                tokens / (seconds - rollout - update_jit) / world))
     if steps and "microbatches" in steps[0]:
         out["microbatches_per_rank"] = [s["microbatches"] for s in steps]
         out["caps"] = [s.get("cap") for s in steps]
@@ -214,6 +225,9 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     if cpu:
         env.setdefault("OMP_NUM_THREADS", "1")
+    # Each variant compiles TRL's Triton kernels itself (an empty cache of its own): a cache
+    # filled by the variant before would spare the later one compiles the first one paid.
+    env["TRITON_CACHE_DIR"] = os.path.join(workdir, f"triton-{variant}")
     print(f"== {variant}: {shlex.join(cmd)}", flush=True)
     log.write(f"== {variant}: {shlex.join(cmd)}\n")
     start = time.perf_counter()
@@ -371,6 +385,10 @@ def main() -> None:
         odc, plain = summary["odc"], summary["plain"]
         ratio = odc[key] / plain[key]
         print(f"odc / plain {key}: {ratio:.3f}")
+        if f"steady_{key}" in odc and f"steady_{key}" in plain:
+            print(f"without Triton compilation (odc {odc['jit_seconds']:.1f} s, plain "
+                  f"{plain['jit_seconds']:.1f} s in the measured steps): "
+                  f"{odc[f'steady_{key}'] / plain[f'steady_{key}']:.3f}")
         if args.summary:
             def peak_of(v):
                 return max((p for p in peaks[v] if p is not None), default=None)
@@ -382,6 +400,9 @@ def main() -> None:
                 "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
                 "bound": odc.get("bound"), "metric": key,
                 "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
+                **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
+                    "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}
+                   if f"steady_{key}" in odc and f"steady_{key}" in plain else {}),
                 "result": f"{stem}.json"})
 
 

@@ -52,6 +52,8 @@ import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
 from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer, peak_memory_gib
 
+from _jit_clock import JitClock
+
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
@@ -176,7 +178,8 @@ def main() -> None:
         # FSDP2 (with ODC, or plain on GPUs; plain on CPU ranks accelerate would use DDP).
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
-    phases = {"rollout": 0.0}
+    phases = {"rollout": 0.0, "rollout_jit": 0.0}
+    jit = JitClock()
 
     class Timed(GRPOTrainer):
         """Times TRL's rollout phase (generation, rewards, old and reference log-probs)."""
@@ -184,11 +187,12 @@ def main() -> None:
         def _generate_and_score_completions(self, inputs):
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, compiled = time.perf_counter(), jit.total
             out = super()._generate_and_score_completions(inputs)
             if cuda:
                 torch.cuda.synchronize()
             phases["rollout"] += time.perf_counter() - start
+            phases["rollout_jit"] += jit.total - compiled
             return out
 
     common = {"model": model, "reward_funcs": make_reward(vocab), "args": config,
@@ -225,7 +229,8 @@ def main() -> None:
                                                      "odc_extra_bytes", "plain_tokens", "padded_tokens",
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in step})
-            clock[0], clock[1], phases["rollout"] = now, tokens, 0.0
+            jit.step(rollout=phases["rollout_jit"])
+            clock[0], clock[1], phases["rollout"], phases["rollout_jit"] = now, tokens, 0.0, 0.0
             log.append(entry)
             if rank == 0:
                 odc = (f"microbatches {entry['microbatches']}  rollouts "
@@ -241,6 +246,8 @@ def main() -> None:
     trainer.remove_callback(PrinterCallback)  # the Report line instead of the raw log dict
     trainer.train()
     peaks = peak_memory_gib(trainer)
+    for entry, compiled in zip(log, jit.gather_max()):
+        entry.update(compiled)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"

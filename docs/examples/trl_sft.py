@@ -39,6 +39,8 @@ import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
 from torch_odc.integrations.hf import ODCConfig, odc_trainer, peak_memory_gib
 
+from _jit_clock import JitClock
+
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
@@ -165,7 +167,7 @@ def main() -> None:
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
-    log, clock = [], [None]
+    log, clock, jit = [], [None], JitClock()
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
@@ -191,6 +193,7 @@ def main() -> None:
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in record})
             clock[0] = now
+            jit.step()
             log.append(entry)
             if rank == 0:
                 counts = (f"microbatches per rank {entry['microbatches']}  "
@@ -201,6 +204,8 @@ def main() -> None:
     trainer.add_callback(Report())
     trainer.train()
     peaks = peak_memory_gib(trainer)
+    for entry, compiled in zip(log, jit.gather_max()):
+        entry.update(compiled)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"

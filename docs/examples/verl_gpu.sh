@@ -117,8 +117,15 @@ run() {
   # The wheels this call carried (fetch); the venv sees the image's packages and its pip.
   rm -rf "$STAGE" && mkdir -p "$STAGE"
   tar -xf "$TAR" -C "$STAGE"
-  python3 -m venv --system-site-packages --without-pip "$VENV"
-  "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile "$STAGE"/*.whl
+  # Installed beside the image's environment, not in a venv over it: the image's python3 is
+  # itself a venv's (/opt/torch/.venv), whose packages (numpy, torch, ...) a nested
+  # --system-site-packages venv does not see (it sees the base interpreter's only). The
+  # "interpreter" is the image's python3 with the wheels first on PYTHONPATH.
+  rm -rf "$VENV" && mkdir -p "$VENV/bin"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$VENV/site" "$STAGE"/*.whl
+  printf '#!/usr/bin/env bash\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec %s "$@"\n' \
+    "$PWD/$VENV/site" "$(command -v python3)" > "$VENV/bin/python"
+  chmod +x "$VENV/bin/python"
   "$VENV/bin/python" -c 'import verl.workers.engine_workers, datasets, ray
 print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/verl_build.log" 2>&1 || {

@@ -96,7 +96,7 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
                    update_seconds_per_step=(seconds - rollout) / len(steps),
                    update_tokens_per_s_per_gpu=tokens / (seconds - rollout) / world)
     if steps and "jit_seconds" in steps[0]:
-        # Triton compilation (docs/examples/_jit_clock.py): once per machine, so also the
+        # Triton compilation (docs/examples/_step_probe.py): once per machine, so also the
         # rates without it (the steady state a long run sees).
         jit = sum(s["jit_seconds"] for s in steps)
         out.update(jit_seconds=jit, steady_tokens_per_s_per_gpu=tokens / (seconds - jit) / world)

@@ -46,12 +46,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
 from torch_odc.integrations.hf import ODCConfig, odc_trainer, peak_memory_gib
-
-from _jit_clock import JitClock
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -187,7 +186,7 @@ def train(args, odc: bool) -> dict:
     trainer = build_trainer(args, odc, rank, world)
     tokens = pair_tokens(trainer.train_dataset)
     per_step = args.per_device_batch * args.accumulation * world
-    log, clock, jit = [], [None], JitClock()
+    log, clock, probe = [], [None], StepProbe()
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
@@ -212,7 +211,7 @@ def train(args, odc: bool) -> dict:
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in record})
             clock[0] = now
-            jit.step()
+            probe.step(host=trainer.odc_steps[-1].get("host_seconds") if odc else None)
             log.append(entry)
             if rank == 0:
                 counts = f"microbatches per rank {entry['microbatches']}  " if odc else ""
@@ -232,8 +231,8 @@ def train(args, odc: bool) -> dict:
             "loss_type": args.loss_type, "world": world, "device": device,
             "torch": torch.__version__, "pairs_per_step": per_step, "args": vars(args),
             "peak_memory_gib": peak_memory_gib(trainer)}
-    for entry, compiled in zip(log, jit.gather_max()):
-        entry.update(compiled)
+    for entry, probed in zip(log, probe.gather_max()):
+        entry.update(probed)
     return {"meta": meta, "steps": log}
 
 

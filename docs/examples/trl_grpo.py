@@ -47,12 +47,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
 from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer, peak_memory_gib
-
-from _jit_clock import JitClock
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -179,7 +178,7 @@ def main() -> None:
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
     phases = {"rollout": 0.0, "rollout_jit": 0.0}
-    jit = JitClock()
+    probe = StepProbe()
 
     class Timed(GRPOTrainer):
         """Times TRL's rollout phase (generation, rewards, old and reference log-probs)."""
@@ -187,12 +186,12 @@ def main() -> None:
         def _generate_and_score_completions(self, inputs):
             if cuda:
                 torch.cuda.synchronize()
-            start, compiled = time.perf_counter(), jit.total
+            start, compiled = time.perf_counter(), probe.total
             out = super()._generate_and_score_completions(inputs)
             if cuda:
                 torch.cuda.synchronize()
             phases["rollout"] += time.perf_counter() - start
-            phases["rollout_jit"] += jit.total - compiled
+            phases["rollout_jit"] += probe.total - compiled
             return out
 
     common = {"model": model, "reward_funcs": make_reward(vocab), "args": config,
@@ -229,7 +228,9 @@ def main() -> None:
                                                      "odc_extra_bytes", "plain_tokens", "padded_tokens",
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in step})
-            jit.step(rollout=phases["rollout_jit"])
+            probe.step(rollout=phases["rollout_jit"],
+                       host=trainer.odc_steps[-1].get("host_seconds")
+                       if not args.plain and trainer.odc_steps else None)
             clock[0], clock[1], phases["rollout"], phases["rollout_jit"] = now, tokens, 0.0, 0.0
             log.append(entry)
             if rank == 0:
@@ -246,8 +247,8 @@ def main() -> None:
     trainer.remove_callback(PrinterCallback)  # the Report line instead of the raw log dict
     trainer.train()
     peaks = peak_memory_gib(trainer)
-    for entry, compiled in zip(log, jit.gather_max()):
-        entry.update(compiled)
+    for entry, probed in zip(log, probe.gather_max()):
+        entry.update(probed)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"

@@ -34,12 +34,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
 from torch_odc.integrations.hf import ODCConfig, odc_trainer, peak_memory_gib
-
-from _jit_clock import JitClock
 
 SIZES = {  # LlamaConfig arguments
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -167,7 +166,7 @@ def main() -> None:
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
-    log, clock, jit = [], [None], JitClock()
+    log, clock, probe = [], [None], StepProbe()
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
@@ -193,7 +192,7 @@ def main() -> None:
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in record})
             clock[0] = now
-            jit.step()
+            probe.step(host=trainer.odc_steps[-1].get("host_seconds") if use_odc else None)
             log.append(entry)
             if rank == 0:
                 counts = (f"microbatches per rank {entry['microbatches']}  "
@@ -204,8 +203,8 @@ def main() -> None:
     trainer.add_callback(Report())
     trainer.train()
     peaks = peak_memory_gib(trainer)
-    for entry, compiled in zip(log, jit.gather_max()):
-        entry.update(compiled)
+    for entry, probed in zip(log, probe.gather_max()):
+        entry.update(probed)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"

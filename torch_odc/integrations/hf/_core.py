@@ -46,6 +46,7 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,11 @@ class ODCTrainerMixin(ODCCheckpointMixin):
     """Mixes ODC into a ``transformers.Trainer`` subclass: ``class T(ODCTrainerMixin, Trainer)``
     (or :func:`odc_trainer`). The constructor takes one keyword more, ``odc=ODCConfig(...)``.
 
-    After training, ``odc_steps`` holds per optimizer step the microbatch count of every rank
-    and the step's label tokens."""
+    After training, ``odc_steps`` holds per optimizer step the microbatch count of every rank,
+    the step's label tokens, and this rank's host seconds in the step's parts (``host_seconds``:
+    collating, the loss totals' all-reduce, each microbatch's forward and backward as the
+    host saw them, the barrier, the metrics' all-reduce; where the host waits on the device,
+    the device's time shows in the part that waits)."""
 
     # The compatibility manifest's users this adapter needs (see _compat.require).
     _odc_compat_users: tuple[str, ...] = ("trainer",)
@@ -435,8 +439,20 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                             "module's own train dataloader, got " + type(inputs).__name__)
         step = inputs
         self._odc_check_position(step)
+        clock = time.perf_counter()
+        host: dict = {}
+
+        def lap(part: str | None = None) -> float:
+            nonlocal clock
+            now = time.perf_counter()
+            seconds, clock = now - clock, now
+            if part is not None:
+                host[part] = seconds
+            return seconds
+
         if step.assigned is not None and step.microbatches is None:
             self._odc_materialize(step)
+        lap("collate")
         # Until the barrier returns, a checkpoint is refused (see _odc_check_save_point).
         self._odc_step_in_progress = step
         # The loss's denominators (the step's label tokens, ...) over all ranks, known before
@@ -448,6 +464,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if "label_tokens" in self._odc_totals:
             num_items = torch.tensor(self._odc_totals["label_tokens"], dtype=torch.float32,
                                      device=self.args.device)
+        lap("totals")
+        host["microbatches"] = []
         keys = self._odc_metric_keys()
         self._odc_sums = dict.fromkeys(keys, 0.0)
         total = torch.zeros((), device=self.args.device)
@@ -462,20 +480,23 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 total = total + super().training_step(model, batch, num_items)
                 if probe is not None:
                     self._odc_autocap.stop()
+                host["microbatches"].append(lap())
         finally:
             self._odc_in_step = False
             if probe is not None:
                 probe.remove()
         # After this rank's last backward, before the Trainer clips and takes the grad norm.
         torch_odc.minibatch_barrier()
+        lap("barrier")
         self._odc_step_in_progress = None
         if probe is not None:
             self._odc_autocap.finish_step(self._odc_handle)
         if keys:
             self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
                 [self._odc_sums[k] for k in keys]), strict=True)))
+        lap("metrics")
         record = {"epoch": step.epoch, "step": step.step, "microbatches": list(step.counts),
-                  **{k: int(v) for k, v in self._odc_totals.items()}}
+                  **{k: int(v) for k, v in self._odc_totals.items()}, "host_seconds": host}
         if step.cap is not None:
             record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
                 (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work,

@@ -240,7 +240,7 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
             log.write(line)
             log.flush()
             tail.append(line.rstrip("\n"))
-            if line.startswith("step "):
+            if line.startswith("step ") or "] step " in line:  # TRL's examples; verl_ppo.py
                 print(f"   {line.rstrip()}", flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed (exit {proc.returncode}):\n" + "\n".join(tail))

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -277,7 +279,10 @@ def main() -> None:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dist.init_process_group("gloo")
-    path = os.path.join(args.out or "/tmp", f"verl_ppo_model_{args.size}")
+    # The model's files (hundreds of MB) go beside the run, not into --out (results only): one
+    # folder per torchrun (its rendezvous port), removed at the end.
+    path = os.path.join(tempfile.gettempdir(), f"verl_ppo_model_{args.size}_"
+                        f"{os.environ.get('MASTER_PORT', os.getppid())}")
     if rank == 0:
         build_model(args, path)
     dist.barrier()
@@ -316,6 +321,9 @@ def main() -> None:
                            "steps": {s: r["steps"] for s, r in results.items()},
                            "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                            else "cpu", "torch": torch.__version__}, f, indent=1)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
     dist.destroy_process_group()
 
 

@@ -63,3 +63,12 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
     # Both variants' step lines, as the examples printed them, are in the log.
     log = (tmp_path / "bench_trl_sft_2cpu.log").read_text().splitlines()
     assert sum(line.startswith("step ") for line in log) == 2 * steps, log[-20:]
+    # What each step spent besides its work (docs/examples/_step_probe.py): compile seconds
+    # (none on CPU ranks: TRL's Triton kernels run on GPUs only), and for ODC every rank's
+    # host seconds with one figure per microbatch the rank ran.
+    for variant in ("odc", "plain"):
+        assert all(s["jit_seconds"] == 0.0 for s in record["runs"][variant]["steps"])
+        assert record["summary"][variant]["steady_tokens_per_s_per_gpu"] == pytest.approx(
+            record["summary"][variant]["tokens_per_s_per_gpu"])
+    for s in record["runs"]["odc"]["steps"]:
+        assert [len(h["microbatches"]) for h in s["host_seconds"]] == s["microbatches"], s

@@ -218,6 +218,10 @@ def check(kind, reference, odc, cuda=False):
         else:
             assert counts[:2] == WANT_COUNTS, counts
         assert len(counts) == STEPS and sum(counts[2]) >= 2, counts
+        # This rank's host seconds: one figure per microbatch it ran.
+        for s, c in zip(out["odc_steps"], counts, strict=True):
+            host = s["host_seconds"]
+            assert len(host["microbatches"]) == c[rank] and host["barrier"] >= 0, (host, c)
         assert out["trainable"] == want["trainable"]
         if kind in LORA_KINDS:
             assert all("lora_" in n for n in out["trainable"]), out["trainable"]

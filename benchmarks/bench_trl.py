@@ -11,8 +11,11 @@ table last.
     python benchmarks/bench_trl.py verl --nproc 2 --out benchmarks/results  # verl's actor update
     python benchmarks/bench_trl.py sft --cpu --out /tmp/bench_trl           # CPU smoke test
     python benchmarks/bench_trl.py grpo --out DIR -- --size medium --steps 6 # example arguments
+    python benchmarks/bench_trl.py sft --out DIR -- --profile-steps 2,3,8   # where steps go
 
-Everything after ``--`` goes to the example unchanged (both variants). Steps before --warmup are
+Everything after ``--`` goes to the example unchanged (both variants); ``--profile-steps``
+puts the top ops of those steps (torch.profiler, every rank) into their records
+(docs/examples/_step_probe.py), slowing those steps. Steps before --warmup are
 left out of the rates (the first ones compile kernels and grow the allocator; ODC's first step
 measures the marginal peak bytes per token at half the derived cap).
 

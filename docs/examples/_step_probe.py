@@ -28,8 +28,23 @@ ALLOCATOR = {"num_device_alloc": "cuda_mallocs", "num_device_free": "cuda_frees"
              "num_alloc_retries": "alloc_retries"}
 
 
+PER_RANK = ("host_seconds", "profile")  # kept per rank by gather_max, not reduced
+
+
 class StepProbe:
-    def __init__(self):
+    """``profile_steps``: steps (1-based, as logged) to run under torch.profiler (CPU and CUDA
+    activity, from the end of the step before to the end of the step); each such step's record
+    gets ``profile``: per rank the ops of most self CPU time and of most self device time
+    (name, calls, self CPU ms, self device ms), the CUDA runtime's allocation calls among them.
+    The profiler slows the steps it covers: for finding where a step's time goes, not rates."""
+
+    TOP = 15
+
+    def __init__(self, profile_steps=()):
+        self.profile_steps = set(profile_steps)
+        self._profiler = None
+        if 1 in self.profile_steps:
+            self._start_profiler()
         self.total = 0.0
         self._counters = self._allocator()
         self._started: float | None = None
@@ -67,6 +82,38 @@ class StepProbe:
         if host is not None:
             self.per_step[-1]["host_seconds"] = host
         self._taken, self._counters = self.total, counters
+        if self._profiler is not None:
+            self._profiler.stop()
+            self.per_step[-1]["profile"] = self._summary(self._profiler)
+            self._profiler = None
+        if len(self.per_step) + 1 in self.profile_steps:
+            self._start_profiler()
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        self._profiler.start()
+
+    @classmethod
+    def _summary(cls, profiler) -> dict:
+        events = list(profiler.key_averages())
+
+        def row(e):
+            return [e.key, e.count, round(e.self_cpu_time_total / 1e3, 3),
+                    round(getattr(e, "self_device_time_total", 0.0) / 1e3, 3)]
+
+        def top(key):
+            return [row(e) for e in sorted(events, key=key, reverse=True)[:cls.TOP]]
+
+        return {"columns": ["op", "calls", "self_cpu_ms", "self_device_ms"],
+                "cpu": top(lambda e: e.self_cpu_time_total),
+                "device": top(lambda e: getattr(e, "self_device_time_total", 0.0)),
+                "allocation": [row(e) for e in events
+                               if e.key.startswith(("cudaMalloc", "cudaFree", "cuMem"))]}
 
     @staticmethod
     def _allocator() -> dict:
@@ -77,13 +124,14 @@ class StepProbe:
 
     def gather_max(self) -> list[dict]:
         """Every step's largest figures over the ranks, key by key (a step waits for
-        its slowest rank), and ``host_seconds`` as every rank's; one gather, after training.
+        its slowest rank), and ``host_seconds`` and ``profile`` as every rank's; one gather, after training.
         Every rank calls it."""
         lists = [None] * dist.get_world_size()
         dist.all_gather_object(lists, self.per_step)
         out = []
         for i in range(max(len(x) for x in lists)):
             rows = [x[i] for x in lists if i < len(x)]
-            out.append({k: ([r.get(k) for r in rows] if k == "host_seconds"
-                            else max(r.get(k, 0.0) for r in rows)) for k in rows[0]})
+            keys = dict.fromkeys(k for r in rows for k in r)
+            out.append({k: ([r.get(k) for r in rows] if k in PER_RANK
+                            else max(r.get(k, 0.0) for r in rows)) for k in keys})
         return out

@@ -142,6 +142,9 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run on CPU even where GPUs exist")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the reward PNG")
+    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
+                    default=[], help="comma-separated steps to run under torch.profiler "
+                    "(their records get the top ops; see _step_probe.py)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -178,7 +181,7 @@ def main() -> None:
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
     phases = {"rollout": 0.0, "rollout_jit": 0.0}
-    probe = StepProbe()
+    probe = StepProbe(args.profile_steps)
 
     class Timed(GRPOTrainer):
         """Times TRL's rollout phase (generation, rewards, old and reference log-probs)."""

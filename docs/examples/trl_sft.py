@@ -121,6 +121,9 @@ def main() -> None:
                          "(CPU: accelerate then uses DDP) process group")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the loss PNG")
+    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
+                    default=[], help="comma-separated steps to run under torch.profiler "
+                    "(their records get the top ops; see _step_probe.py)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -166,7 +169,7 @@ def main() -> None:
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
-    log, clock, probe = [], [None], StepProbe()
+    log, clock, probe = [], [None], StepProbe(args.profile_steps)
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):

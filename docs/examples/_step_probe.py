@@ -1,6 +1,6 @@
 """What each rank's training step spent besides its work, for the examples' per-step logs:
-seconds compiling Triton kernels, and the CUDA caching allocator's device allocations, frees
-and retries.
+seconds compiling Triton kernels, the CUDA caching allocator's device allocations, frees and
+retries, and on the steps asked for, the top ops under torch.profiler.
 
 TRL computes log-probabilities and entropies with Triton kernels (``trl.kernels``), compiled on
 first use for each specialization of their integer arguments (a length divisible by 16 or not,
@@ -26,8 +26,6 @@ import torch.distributed as dist
 
 ALLOCATOR = {"num_device_alloc": "cuda_mallocs", "num_device_free": "cuda_frees",
              "num_alloc_retries": "alloc_retries"}
-
-
 PER_RANK = ("host_seconds", "profile")  # kept per rank by gather_max, not reduced
 
 
@@ -123,9 +121,9 @@ class StepProbe:
         return {name: stats.get(key, 0) for key, name in ALLOCATOR.items()}
 
     def gather_max(self) -> list[dict]:
-        """Every step's largest figures over the ranks, key by key (a step waits for
-        its slowest rank), and ``host_seconds`` and ``profile`` as every rank's; one gather, after training.
-        Every rank calls it."""
+        """Every step's largest figures over the ranks, key by key (a step waits for its
+        slowest rank), and ``host_seconds`` and ``profile`` as every rank's; one gather, after
+        training. Every rank calls it."""
         lists = [None] * dist.get_world_size()
         dist.all_gather_object(lists, self.per_step)
         out = []

@@ -33,8 +33,8 @@ compares each rank's tokens as dispatched with those LB-Mini gives it.
 Reported per variant: tokens/s per GPU (non-padding tokens of the measured steps over their
 time), the same without the seconds spent compiling TRL's Triton kernels (``steady_``: each
 variant starts from an empty Triton cache of its own and compiles on first use of each kernel
-specialization, one to a few seconds each, once per machine), seconds per step, each rank's peak memory (torch's allocator peak plus the memory ODC
-holds outside it), and for GRPO the rollout phase (generation, rewards, old/reference log-probs)
+specialization, once per machine), seconds per step, each rank's peak memory (torch's allocator
+peak plus the memory ODC holds outside it), and for GRPO the rollout phase (generation, rewards, old/reference log-probs)
 and the update phase (the rest: what ODC changes) apart. The planner's bound: the sum over the
 measured steps of the slowest rank's padded tokens as the unmodified trainer runs them, over the
 same under ODC's plan (each step's work is proportional to its padded tokens), the speed-up that

@@ -4,8 +4,8 @@ retries, and on the steps asked for, the top ops under torch.profiler.
 
 TRL computes log-probabilities and entropies with Triton kernels (``trl.kernels``), compiled on
 first use for each specialization of their integer arguments (a length divisible by 16 or not,
-...) and kept in Triton's on-disk cache. A compile takes one to a few seconds of host time
-during which the device idles, once per machine: in a short benchmark it lands in whichever
+...) and kept in Triton's on-disk cache. A compile takes host time during which the device
+idles (0.2-1.1 s per run of the 1B TRL benchmarks on 2 H200), once per machine: in a short benchmark it lands in whichever
 early steps first meet a new specialization, and a run that finds the cache already filled
 by an earlier run does not pay it. The examples record it per step so that the benchmark can
 say how much of a step was compilation (benchmarks/bench_trl.py).
@@ -27,6 +27,13 @@ import torch.distributed as dist
 ALLOCATOR = {"num_device_alloc": "cuda_mallocs", "num_device_free": "cuda_frees",
              "num_alloc_retries": "alloc_retries"}
 PER_RANK = ("host_seconds", "profile")  # kept per rank by gather_max, not reduced
+
+
+def add_arguments(ap) -> None:
+    """The examples' ``--profile-steps`` (what :class:`StepProbe` takes)."""
+    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
+                    default=[], help="comma-separated steps to run under torch.profiler "
+                    "(their records get the top ops; see _step_probe.py)")
 
 
 class StepProbe:

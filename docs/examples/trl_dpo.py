@@ -44,9 +44,9 @@ import tempfile
 import time
 import warnings
 
+import _step_probe as step_probe
 import torch
 import torch.distributed as dist
-from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
@@ -186,7 +186,7 @@ def train(args, odc: bool) -> dict:
     trainer = build_trainer(args, odc, rank, world)
     tokens = pair_tokens(trainer.train_dataset)
     per_step = args.per_device_batch * args.accumulation * world
-    log, clock, probe = [], [None], StepProbe(args.profile_steps)
+    log, clock, probe = [], [None], step_probe.StepProbe(args.profile_steps)
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
@@ -261,9 +261,7 @@ def parser() -> argparse.ArgumentParser:
                     help="plain TRL: DPOTrainer with accelerate's FSDP2 on an NCCL (GPU) or Gloo "
                          "(CPU: accelerate then uses DDP) process group")
     ap.add_argument("--out", default=None, help="directory for the JSON log and the PNG")
-    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
-                    default=[], help="comma-separated steps to run under torch.profiler "
-                    "(their records get the top ops; see _step_probe.py)")
+    step_probe.add_arguments(ap)
     return ap
 
 

@@ -45,9 +45,9 @@ import tempfile
 import time
 import warnings
 
+import _step_probe as step_probe
 import torch
 import torch.distributed as dist
-from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
@@ -142,9 +142,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run on CPU even where GPUs exist")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the reward PNG")
-    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
-                    default=[], help="comma-separated steps to run under torch.profiler "
-                    "(their records get the top ops; see _step_probe.py)")
+    step_probe.add_arguments(ap)
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -181,7 +179,7 @@ def main() -> None:
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
     phases = {"rollout": 0.0, "rollout_jit": 0.0}
-    probe = StepProbe(args.profile_steps)
+    probe = step_probe.StepProbe(args.profile_steps)
 
     class Timed(GRPOTrainer):
         """Times TRL's rollout phase (generation, rewards, old and reference log-probs)."""

@@ -32,9 +32,9 @@ import tempfile
 import time
 import warnings
 
+import _step_probe as step_probe
 import torch
 import torch.distributed as dist
-from _step_probe import StepProbe
 
 import torch_odc  # noqa: F401  (registers "odc")
 from torch_odc import balance
@@ -121,9 +121,7 @@ def main() -> None:
                          "(CPU: accelerate then uses DDP) process group")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the loss PNG")
-    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
-                    default=[], help="comma-separated steps to run under torch.profiler "
-                    "(their records get the top ops; see _step_probe.py)")
+    step_probe.add_arguments(ap)
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -169,7 +167,7 @@ def main() -> None:
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
-    log, clock, probe = [], [None], StepProbe(args.profile_steps)
+    log, clock, probe = [], [None], step_probe.StepProbe(args.profile_steps)
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):

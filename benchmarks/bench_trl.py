@@ -152,7 +152,7 @@ MODES: dict[str, Mode] = {
     # ranks; long-tailed (log-normal) response lengths.
     "verl": Mode(
         example="docs/examples/verl_ppo.py", log_name="verl_ppo_log.json",
-        gpu_args=["--size", "1b", "--steps", "14", "--warmup", "3", "--batch", "64",
+        gpu_args=["--size", "1b", "--steps", "13", "--warmup", "3", "--batch", "64",
                   "--prompt", "512", "--response", "4096", "--max-tokens", "8192",
                   "--lr", "1e-5"],
         cpu_args=["--size", "tiny", "--steps", "4", "--batch", "16", "--prompt", "16",

@@ -44,6 +44,7 @@ ATOL = 1e-5
 # ~1e-5 (seen: 1.1e-5 on one of 2048 elements). A microbatch lost or run twice moves every
 # touched parameter by about the learning rate (2e-2).
 ATOL_CUDA = 5e-5
+PAD = 16  # ODCConfig.pad_to_multiple_of of the "sft_pad" kind
 # plan[step][rank]: microbatches as positions into the step's 6 sequences. Step 2 is LB-Mini's.
 FIXED_PLANS = {
     0: [[[0, 1], [2], [3, 4]], [[5]]],
@@ -51,7 +52,7 @@ FIXED_PLANS = {
 }
 WANT_COUNTS = [[3, 1], [0, 4]]
 LORA_KINDS = ("lora", "sft_lora")
-AUTO_KINDS = ("auto", "sft_auto")  # no cap given: each step's cap follows from the trainer's
+AUTO_KINDS = ("auto", "sft_auto", "sft_pad")  # no cap given: each step's cap follows from the trainer's
 
 
 def sequences() -> list[list[int]]:
@@ -127,10 +128,12 @@ def train(kind: str, odc: bool, cuda: bool = False) -> dict:
     data = [{"input_ids": s} for s in sequences()]
     model = build_model(lora=kind in LORA_KINDS)
     # The AUTO_KINDS run LB-Mini with the derived cap (ODCConfig's defaults).
-    config = ODCConfig() if kind in AUTO_KINDS else ODCConfig(max_tokens_per_microbatch=40,
-                                                               planner=planner)
+    # sft_pad: ODC pads each microbatch's length to a multiple of PAD (through TRL's collator;
+    # on GPUs the default does so to 64).
+    config = (ODCConfig(pad_to_multiple_of=PAD) if kind == "sft_pad" else ODCConfig()
+              if kind in AUTO_KINDS else ODCConfig(max_tokens_per_microbatch=40, planner=planner))
     extra = {"odc": config} if odc else {}
-    if kind in ("sft", "sft_lora", "sft_auto"):
+    if kind in ("sft", "sft_lora", "sft_auto", "sft_pad"):
         import datasets
         from trl import SFTConfig, SFTTrainer
 
@@ -178,7 +181,7 @@ try:
 
     # sft_lora: accelerate finds no final norm in a PEFT model and shards lm_head alone, a unit
     # TRL's fused LM head reads without calling it (the adapter unshards it per forward).
-    KINDS = ["full", "lora", "sft", "sft_lora", "auto", "sft_auto"]
+    KINDS = ["full", "lora", "sft", "sft_lora", "auto", "sft_auto", "sft_pad"]
 except ImportError:  # the SFTTrainer case needs TRL
     KINDS = ["full", "lora", "auto"]
 
@@ -217,6 +220,11 @@ def check(kind, reference, odc, cuda=False):
             check_derived_cap(out["odc_steps"], cuda)
         else:
             assert counts[:2] == WANT_COUNTS, counts
+        if kind == "sft_pad" or (kind == "sft_auto" and cuda):  # the collator padded for ODC
+            pad = PAD if kind == "sft_pad" else 64
+            assert all(s["padded_tokens"] % pad == 0 and s["padded_tokens"] > 0
+                       and all(p % pad == 0 for p in s["padded_per_rank"])
+                       for s in out["odc_steps"]), out["odc_steps"]
         assert len(counts) == STEPS and sum(counts[2]) >= 2, counts
         # This rank's host seconds: one figure per microbatch it ran.
         for s, c in zip(out["odc_steps"], counts, strict=True):
@@ -389,3 +397,11 @@ def test_evaluation_after_every_step_while_attached_matches_the_one_process_trai
         for name, ref in want["params"].items():
             torch.testing.assert_close(out["params"][name], ref, rtol=0, atol=ATOL,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
+@pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64"])
+def test_a_bad_pad_multiple_is_refused(bad):
+    from torch_odc.integrations.hf import ODCConfig
+
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        ODCConfig(pad_to_multiple_of=bad)

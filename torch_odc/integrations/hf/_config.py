@@ -35,6 +35,15 @@ class ODCConfig:
             same plan. Checked to cover every sequence exactly once. Needs an explicit
             ``max_tokens_per_microbatch`` only if the planner reads it.
         eager_publish: passed to :func:`torch_odc.attach`.
+        pad_to_multiple_of: each microbatch's sequence length is padded up to a multiple of
+            this, through the trainer's collator (its ``pad_to_multiple_of``, which TRL's and
+            Transformers' padding collators take; the padding is masked like any other and
+            counted in the derived cap). ``None`` (the default): 64 on CUDA when the collator
+            takes it and pads (not padding-free), else 1 (off). Why: ODC packs a varying number
+            of rows per microbatch, so its microbatches meet more distinct shapes than the
+            unmodified trainer's, and cuDNN's attention (PyTorch's SDPA on Hopper) builds a plan
+            per shape, sometimes loading new kernels for seconds; lengths in multiples of 64
+            meet far fewer (benchmarks/sdpa_shapes.py; docs/benchmarks.md).
     """
 
     max_tokens_per_microbatch: int | None = None
@@ -42,12 +51,19 @@ class ODCConfig:
     cost_args: dict = dataclasses.field(default_factory=dict)
     planner: Planner | None = None
     eager_publish: bool = True
+    pad_to_multiple_of: int | None = None
+
+    AUTO_PAD_MULTIPLE = 64  # pad_to_multiple_of=None on CUDA (see above)
 
     def __post_init__(self):
         cap = self.max_tokens_per_microbatch
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int or None "
                              f"(derived from the trainer's own microbatches), got {cap!r}")
+        m = self.pad_to_multiple_of
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError("ODCConfig.pad_to_multiple_of must be a positive int (1: no extra "
+                             f"padding) or None (64 on CUDA), got {m!r}")
 
     @property
     def auto_cap(self) -> bool:

@@ -46,6 +46,7 @@ What the returned subclass changes in the Trainer (docs/integrations.md has the 
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
@@ -336,7 +337,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
-            _compat.call(self, "_get_collator_with_removed_columns", self.data_collator,
+            _compat.call(self, "_get_collator_with_removed_columns", self._odc_collator(),
                          description="training"),
             [sum(r) for r in rows],
             self._odc_sequences_per_step,
@@ -348,7 +349,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             drop_last=args.dataloader_drop_last,
             costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
             **({"rows": rows, "per_device": _compat.read(self, "_train_batch_size"),
-                "padding_free": self._odc_padding_free()} if self.odc.auto_cap else {}),
+                "padding_free": self._odc_padding_free(),
+                "plain_multiple": self._odc_plain_multiple} if self.odc.auto_cap else {}),
         )
         self._odc_rows_of_dataset = rows
         self._odc_steps_per_epoch = steps.num_steps()
@@ -358,6 +360,33 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             persistent_workers=bool(workers and args.dataloader_persistent_workers),
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
+
+    def _odc_collator(self):
+        """The trainer's collator for ODC's microbatches: a copy padding the sequence length up
+        to ``ODCConfig.pad_to_multiple_of`` (see there), or the collator itself. Sets the
+        multiples ODC's and the unmodified trainer's microbatches are padded to."""
+        collator, free = self.data_collator, self._odc_padding_free()
+        own = getattr(collator, "pad_to_multiple_of", None) or 1
+        self._odc_plain_multiple = self._odc_multiple = 1 if free else own
+        want = self.odc.pad_to_multiple_of
+        if want is None:
+            takes = hasattr(collator, "pad_to_multiple_of") and not free
+            want = ODCConfig.AUTO_PAD_MULTIPLE if takes and self.args.device.type == "cuda" else 1
+        if want == 1:
+            return collator
+        name = type(collator).__name__
+        if free:
+            raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want} "
+                             "with a padding-free collator (its rows are concatenated, not "
+                             "padded): leave it None")
+        if not hasattr(collator, "pad_to_multiple_of"):
+            raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want}, "
+                             f"but the data collator {name} takes no pad_to_multiple_of")
+        self._odc_multiple = multiple = math.lcm(own, want)
+        if multiple != own:
+            collator = copy.copy(collator)
+            collator.pad_to_multiple_of = multiple
+        return collator
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -511,8 +540,10 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         at most the step's cap in padded tokens (every rank computes every rank's packing, the
         same way: the counts agree) and collates this rank's."""
         rows, free = self._odc_rows_of_dataset, self._odc_padding_free()
+        odc, plain = self._odc_multiple, self._odc_plain_multiple
         step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
-        per_rank = [pack_padded(a, lambda mb: padded_tokens([rows[i] for i in mb], free), cap)
+        per_rank = [pack_padded(a, lambda mb: padded_tokens([rows[i] for i in mb], free, odc),
+                                cap)
                     for a in step.assigned]
         mine = per_rank[self.args.process_index]
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
@@ -526,10 +557,10 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         order.sort(key=step.order_position.__getitem__)
         chunks = [order[i:i + per_device] for i in range(0, len(order), per_device)]
         step.work = {
-            "padded_per_rank": [sum(padded_tokens([rows[i] for i in mb], free) for mb in p)
-                                for p in per_rank],
+            "padded_per_rank": [sum(padded_tokens([rows[i] for i in mb], free, odc)
+                                    for mb in p) for p in per_rank],
             "plain_padded_per_rank": [
-                sum(padded_tokens([rows[i] for i in c], free) for c in chunks[r::world])
+                sum(padded_tokens([rows[i] for i in c], free, plain) for c in chunks[r::world])
                 for r in range(world)]}
 
     def _odc_probe(self, model):

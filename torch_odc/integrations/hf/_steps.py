@@ -59,22 +59,25 @@ class ODCStep:
 # published shard cache and control words; its accumulators replace FSDP2's sharded .grad).
 
 
-def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False) -> int:
+def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False,
+                  multiple: int = 1) -> int:
     """The tokens of one microbatch of ``rows`` (each a tuple of its sequences' lengths: one
     for a language-modeling row, two for a preference pair) once collated: every sequence
-    padded to the longest, or concatenated when ``padding_free``."""
+    padded to the longest, rounded up to ``multiple`` (the collator's ``pad_to_multiple_of``),
+    or concatenated when ``padding_free``."""
     if not rows:
         return 0
     if padding_free:
         return sum(sum(r) for r in rows)
-    return sum(len(r) for r in rows) * max(max(r) for r in rows)
+    longest = max(max(r) for r in rows)
+    return sum(len(r) for r in rows) * -(-longest // multiple) * multiple
 
 
 def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
-                             padding_free: bool = False) -> int:
+                             padding_free: bool = False, multiple: int = 1) -> int:
     """The padded tokens of the largest microbatch the unmodified trainer runs of ``rows`` (a
     step's rows in order): consecutive groups of ``per_device`` rows."""
-    return max(padded_tokens(rows[i:i + per_device], padding_free)
+    return max(padded_tokens(rows[i:i + per_device], padding_free, multiple)
                for i in range(0, len(rows), per_device))
 
 
@@ -304,13 +307,15 @@ class _StepData(torch.utils.data.Dataset):
     Runs in the DataLoader's workers when there are any; holds no trainer."""
 
     def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
-                 drop_last, costs=None, rows=None, per_device=None, padding_free=False):
+                 drop_last, costs=None, rows=None, per_device=None, padding_free=False,
+                 plain_multiple=1):
         self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
         self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         # The derived cap (rows given): per row its sequences' lengths, the unmodified
         # trainer's rows per microbatch, and how the collator lays rows out.
         self.rows, self.per_device, self.padding_free = rows, per_device, padding_free
+        self.plain_multiple = plain_multiple  # the user's collator's pad_to_multiple_of
         self._orders: dict[int, list[int]] = {}
         self._plain_max: tuple[int | None, list[int]] = (None, [])
 
@@ -330,8 +335,9 @@ class _StepData(torch.utils.data.Dataset):
             best, prefix = 0, []
             for k in range(n):
                 ids = order[k * self.per_step:(k + 1) * self.per_step]
-                best = max(best, plain_largest_microbatch([self.rows[i] for i in ids],
-                                                          self.per_device, self.padding_free))
+                best = max(best, plain_largest_microbatch(
+                    [self.rows[i] for i in ids], self.per_device, self.padding_free,
+                    self.plain_multiple))
                 prefix.append(best)
             self._plain_max = (epoch, prefix)
         return self._plain_max[1][step]

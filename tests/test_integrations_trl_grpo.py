@@ -64,6 +64,11 @@ CASES = {
     "dapo_derived_cap": ({"loss_type": "dapo", "gradient_accumulation_steps": 2},
                          {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None},
                          True, "one"),
+    # The derived cap with ODC's length padding: prompt and completion widths in multiples of
+    # 8 (ODCConfig.pad_to_multiple_of; TRL pads to none), counted in the cap.
+    "dapo_pad": ({"loss_type": "dapo", "gradient_accumulation_steps": 2},
+                 {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None,
+                  "pad_to_multiple_of": 8}, True, "one"),
     # A generation spanning 2 optimizer steps (steps_per_generation 4, 2 TRL microbatches per
     # step), sequence-level importance sampling, the KL term with its bias correction.
     "cispo_spg": ({"loss_type": "cispo", "steps_per_generation": 4,
@@ -363,6 +368,10 @@ def check(case, reference, odc):
             for s in steps:  # the derived cap: TRL's largest microbatch, never exceeded
                 assert s["cap"] == s["plain_tokens"] > 0, s
                 assert s["padded_tokens"] <= s["cap"], s
+        if options.get("pad_to_multiple_of"):  # every microbatch rows x (prompt + completion)
+            pad = options["pad_to_multiple_of"]
+            assert all(s["padded_tokens"] % pad == 0 and all(p % pad == 0
+                       for p in s["padded_per_rank"]) for s in steps), steps
         assert_params_match(want, out, initial, rank, ATOL)
         assert len(out["logs"]) == len(want["logs"]) == STEPS
         # Losses within 1e-6 relative. On-policy GRPO losses cancel to ~0 (advantages sum to

@@ -309,15 +309,20 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_padded(self, shapes) -> int:
         """A microbatch's tokens once laid out as _odc_microbatch does: its longest prompt plus
-        its longest completion (rounded up to pad_to_multiple_of), per row."""
+        its longest completion (each rounded up to ``_odc_length_multiple``), per row."""
         if not shapes:
             return 0
         pw = max(p for p, _ in shapes)
         cw = max(1, max(c for _, c in shapes))
-        if self.pad_to_multiple_of:
-            m = self.pad_to_multiple_of
-            pw, cw = -(-pw // m) * m, -(-cw // m) * m
-        return len(shapes) * (pw + cw)
+        m = self._odc_length_multiple()
+        return len(shapes) * (-(-pw // m) * m + -(-cw // m) * m)
+
+    def _odc_length_multiple(self) -> int:
+        """What the prompt and the completion widths of a microbatch are rounded up to: the
+        least common multiple of TRL's ``pad_to_multiple_of`` and ``ODCConfig.
+        pad_to_multiple_of``. For GRPO, None means 1 (TRL's alone): the CUDA default of 64
+        that SFT and DPO take has not been measured on GRPO's update yet."""
+        return math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the
@@ -507,13 +512,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> _Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
-        completion (rounded up to pad_to_multiple_of like TRL's), with their weights."""
+        completion (rounded up to ``_odc_length_multiple``), with their weights."""
         idx = torch.tensor(micro, device=rows.meta.device)
         meta = rows.meta[idx]
         pw, cw = int(meta[:, 2].max()), max(1, int(meta[:, 3].max()))
-        if self.pad_to_multiple_of:
-            m = self.pad_to_multiple_of
-            pw, cw = -(-pw // m) * m, -(-cw // m) * m
+        m = self._odc_length_multiple()
+        pw, cw = -(-pw // m) * m, -(-cw // m) * m
         batch = {}
         for key, kind in self._odc_layout_cache:
             t = rows.tensors[key][idx]

@@ -232,7 +232,9 @@ def main() -> None:
             probe.step(rollout=phases["rollout_jit"],
                        host=trainer.odc_steps[-1].get("host_seconds")
                        if not args.plain and trainer.odc_steps else None)
-            clock[0], clock[1], phases["rollout"], phases["rollout_jit"] = now, tokens, 0.0, 0.0
+            # From here: a profiled step's summary is not the next step's time.
+            clock[0], clock[1] = time.perf_counter(), tokens
+            phases["rollout"], phases["rollout_jit"] = 0.0, 0.0
             log.append(entry)
             if rank == 0:
                 odc = (f"microbatches {entry['microbatches']}  rollouts "

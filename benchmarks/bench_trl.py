@@ -153,7 +153,7 @@ MODES: dict[str, Mode] = {
     "verl": Mode(
         example="docs/examples/verl_ppo.py", log_name="verl_ppo_log.json",
         gpu_args=["--size", "1b", "--steps", "13", "--warmup", "3", "--batch", "64",
-                  "--prompt", "512", "--response", "4096", "--max-tokens", "8192",
+                  "--prompt", "512", "--response", "2048", "--max-tokens", "8192",
                   "--lr", "1e-5"],
         cpu_args=["--size", "tiny", "--steps", "4", "--batch", "16", "--prompt", "16",
                   "--response", "96", "--max-tokens", "128"],

@@ -138,8 +138,9 @@ print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
   export PYTHONPATH="$PWD"
   # verl's actor update, ODC (LB-Mini) vs verl's fsdp2 engine (NCCL, equal counts), one rank
   # per GPU on each count of $NPROCS: benchmarks/bench_trl.py verl (a 1B Qwen2 shape,
-  # long-tailed responses up to 4096 tokens, 8192 tokens per microbatch, bf16, 14 steps after
-  # 3 warm-up), a row each into trainers.json.
+  # long-tailed responses up to 2048 tokens, 8192 tokens per microbatch, bf16, 13 steps with
+  # 3 warm-up), a row each into trainers.json. verl_ppo.py runs without remove-padding
+  # (use_remove_padding=False, sdpa), so the response width sets the work per row.
   # The device copy's git HEAD can be older than the tree that travelled: say so in the commit
   # (as benchmarks/device_trl.sh does).
   if [[ -z ${ODC_COMMIT:-} ]]; then

@@ -52,7 +52,8 @@ FIXED_PLANS = {
 }
 WANT_COUNTS = [[3, 1], [0, 4]]
 LORA_KINDS = ("lora", "sft_lora")
-AUTO_KINDS = ("auto", "sft_auto", "sft_pad")  # no cap given: each step's cap follows from the trainer's
+# No cap given: each step's cap follows from the trainer's own microbatches.
+AUTO_KINDS = ("auto", "sft_auto", "sft_pad")
 
 
 def sequences() -> list[list[int]]:

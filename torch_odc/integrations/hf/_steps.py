@@ -69,8 +69,12 @@ def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False,
         return 0
     if padding_free:
         return sum(sum(r) for r in rows)
-    longest = max(max(r) for r in rows)
-    return sum(len(r) for r in rows) * -(-longest // multiple) * multiple
+    return sum(len(r) for r in rows) * round_up(max(max(r) for r in rows), multiple)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (a collator's ``pad_to_multiple_of``)."""
+    return -(-n // multiple) * multiple
 
 
 def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,

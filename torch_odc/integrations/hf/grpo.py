@@ -60,7 +60,7 @@ from torch_odc import balance
 from . import _compat
 from ._config import ODCConfig
 from ._core import ODCTrainerMixin
-from ._steps import _checked_plan, _LBMini, pack_padded
+from ._steps import _checked_plan, _LBMini, pack_padded, round_up
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
@@ -309,20 +309,20 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_padded(self, shapes) -> int:
         """A microbatch's tokens once laid out as _odc_microbatch does: its longest prompt plus
-        its longest completion (each rounded up to ``_odc_length_multiple``), per row."""
+        its longest completion (as ``_odc_widths`` gives them), per row."""
         if not shapes:
             return 0
-        pw = max(p for p, _ in shapes)
-        cw = max(1, max(c for _, c in shapes))
-        m = self._odc_length_multiple()
-        return len(shapes) * (-(-pw // m) * m + -(-cw // m) * m)
+        pw, cw = self._odc_widths(max(p for p, _ in shapes), max(c for _, c in shapes))
+        return len(shapes) * (pw + cw)
 
-    def _odc_length_multiple(self) -> int:
-        """What the prompt and the completion widths of a microbatch are rounded up to: the
-        least common multiple of TRL's ``pad_to_multiple_of`` and ``ODCConfig.
-        pad_to_multiple_of``. For GRPO, None means 1 (TRL's alone): the CUDA default of 64
-        that SFT and DPO take has not been measured on GRPO's update yet."""
-        return math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
+    def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
+        """A microbatch's prompt and completion widths from its longest of each: at least one
+        completion column, each rounded up to the least common multiple of TRL's
+        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of``. For GRPO, None means 1
+        (TRL's alone): the CUDA default of 64 that SFT and DPO take has not been measured on
+        GRPO's update yet."""
+        m = math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
+        return round_up(prompt, m), round_up(max(1, completion), m)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the
@@ -512,12 +512,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> _Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
-        completion (rounded up to ``_odc_length_multiple``), with their weights."""
+        completion (as ``_odc_widths`` gives them), with their weights."""
         idx = torch.tensor(micro, device=rows.meta.device)
         meta = rows.meta[idx]
-        pw, cw = int(meta[:, 2].max()), max(1, int(meta[:, 3].max()))
-        m = self._odc_length_multiple()
-        pw, cw = -(-pw // m) * m, -(-cw // m) * m
+        pw, cw = self._odc_widths(int(meta[:, 2].max()), int(meta[:, 3].max()))
         batch = {}
         for key, kind in self._odc_layout_cache:
             t = rows.tensors[key][idx]

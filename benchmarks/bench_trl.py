@@ -145,7 +145,9 @@ MODES: dict[str, Mode] = {
                   "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
                   "--max-completion", "32", "--mean-completion", "12"],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
-        variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"]},
+        # odc-nopad: ODC without its default length padding (64 on GPUs; docs/benchmarks.md).
+        variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"],
+                  "odc-nopad": ["--pad-to-multiple-of", "1"]},
         unit="rollouts", warmup=2),
     # verl's actor update (TrainingWorker.train_mini_batch, ppo_loss, dynamic batch size):
     # verl's fsdp2 engine on verl's equal-count dispatch vs the odc engine with LB-Mini over the

@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (reference model)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="default: derived from TRL's own microbatches (no more memory)")
+    ap.add_argument("--pad-to-multiple-of", type=int, default=None,
+                    help="ODCConfig.pad_to_multiple_of (default: 64 on GPUs; 1: no extra padding)")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="each rank packs its own rollouts (no LB-Mini across ranks)")
     ap.add_argument("--plain", action="store_true",
@@ -204,7 +206,7 @@ def main() -> None:
     else:
         trainer = odc_trainer(Timed)(**common, odc=ODCGRPOConfig(
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-            rebalance=not args.no_rebalance))
+            rebalance=not args.no_rebalance, pad_to_multiple_of=args.pad_to_multiple_of))
 
     log, clock = [], [time.perf_counter(), 0]
 

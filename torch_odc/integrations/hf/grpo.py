@@ -318,10 +318,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
         """A microbatch's prompt and completion widths from its longest of each: at least one
         completion column, each rounded up to the least common multiple of TRL's
-        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of``. For GRPO, None means 1
-        (TRL's alone): the CUDA default of 64 that SFT and DPO take has not been measured on
-        GRPO's update yet."""
-        m = math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
+        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of`` (None: 64 on CUDA, as for
+        SFT and DPO, else 1)."""
+        want = self.odc.pad_to_multiple_of
+        if want is None:
+            want = ODCConfig.AUTO_PAD_MULTIPLE if self.args.device.type == "cuda" else 1
+        m = math.lcm(self.pad_to_multiple_of or 1, want)
         return round_up(prompt, m), round_up(max(1, completion), m)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:

@@ -242,7 +242,8 @@ def main() -> None:
                 odc = (f"microbatches {entry['microbatches']}  rollouts "
                        f"{entry['rollouts_per_rank']}  moved {entry['moved']}  "
                        if "microbatches" in entry else "")
-                print(f"step {entry['step']:3d}  {odc}loss {entry['loss']:+.4f}  reward "
+                print(f"step {entry['step']:3d}  {odc}loss {entry['loss']:+.4f}  grad norm "
+                      f"{entry.get('grad_norm', float('nan')):.3g}  reward "
                       f"{entry.get('reward', float('nan')):.3f}  completion "
                       f"{entry.get('completions/mean_length', float('nan')):.0f}  "
                       f"{entry['seconds']:.2f} s (rollout {entry['rollout_seconds']:.2f} s)",

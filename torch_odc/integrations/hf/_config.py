@@ -44,7 +44,7 @@ class ODCConfig:
             unmodified trainer's, and cuDNN's attention (PyTorch's SDPA on Hopper) builds a plan
             per shape, sometimes loading new kernels for seconds; lengths in multiples of 64
             meet far fewer (benchmarks/sdpa_shapes.py; docs/benchmarks.md). GRPO: the prompt
-            and completion widths, with TRL's own multiple (None: 64 on CUDA, else 1).
+            and completion widths, with TRL's own multiple; None there means 1.
     """
 
     max_tokens_per_microbatch: int | None = None

@@ -318,12 +318,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
         """A microbatch's prompt and completion widths from its longest of each: at least one
         completion column, each rounded up to the least common multiple of TRL's
-        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of`` (None: 64 on CUDA, as for
-        SFT and DPO, else 1)."""
-        want = self.odc.pad_to_multiple_of
-        if want is None:
-            want = ODCConfig.AUTO_PAD_MULTIPLE if self.args.device.type == "cuda" else 1
-        m = math.lcm(self.pad_to_multiple_of or 1, want)
+        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of``. For GRPO None means 1
+        (TRL's alone): with 64 the 1B update's first step gave a NaN gradient norm on H200
+        (benchmarks/sdpa_left_pad.py looks at why)."""
+        m = math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
         return round_up(prompt, m), round_up(max(1, completion), m)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:

@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 final="${OUT:-benchmarks/results/trl_gpu}"; mkdir -p "$final"
-work=/tmp/odc_trl_results; mkdir -p "$work"
+work="${ODC_TRL_WORK:-/tmp/odc_trl_results}"; mkdir -p "$work"  # one per concurrent call
 what="${1:-tests,sft,dpo,grpo}"
 has() { [[ ",$what," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

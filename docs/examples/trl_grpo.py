@@ -141,6 +141,8 @@ def main() -> None:
                     help="each rank packs its own rollouts (no LB-Mini across ranks)")
     ap.add_argument("--plain", action="store_true",
                     help="unmodified GRPOTrainer on an ordinary process group (the baseline)")
+    ap.add_argument("--cudnn-sdpa", action="store_true",
+                    help="keep PyTorch's cuDNN attention on (off by default here: see below)")
     ap.add_argument("--cpu", action="store_true", help="run on CPU even where GPUs exist")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the reward PNG")
@@ -151,6 +153,12 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
+        if not args.cudnn_sdpa:
+            # GRPO left-pads prompts, so some query rows see only padding. On H200 (torch
+            # 2.11) cuDNN's attention backward gave NaN gradients for some such layouts, in
+            # unmodified TRL too (benchmarks/sdpa_left_pad.py); memory-efficient attention
+            # takes the same masks without it. Both variants run with it off.
+            torch.backends.cuda.enable_cudnn_sdp(False)
     # Before the training arguments: accelerate keeps the group.
     dist.init_process_group("odc" if not args.plain else "nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -392,6 +392,26 @@ def check(case, reference, odc):
                         rank, key, got[key], value)
 
 
+@pytest.mark.parametrize("multiple", [1, 8, 48, 64, 128])
+def test_left_padded_widths_avoid_the_cudnn_nan_lengths(multiple):
+    """GRPO's microbatch widths: each a multiple of ``multiple`` covering its longest prompt and
+    completion; on CUDA never 64 modulo 128 in all (pytorch/pytorch#196678), at fewer than 128
+    extra columns; off CUDA exactly the rounded widths."""
+    from torch_odc.integrations.hf._steps import left_padded_widths, round_up
+
+    moved = 0
+    for prompt in range(1, 300, 7):
+        for completion in range(0, 260, 3):
+            plain = (round_up(prompt, multiple), round_up(max(1, completion), multiple))
+            assert left_padded_widths(prompt, completion, multiple, cuda=False) == plain
+            pw, cw = left_padded_widths(prompt, completion, multiple, cuda=True)
+            assert pw == plain[0] and pw % multiple == 0 and cw % multiple == 0
+            assert (pw + cw) % 128 != 64, (prompt, completion, multiple, pw, cw)
+            assert plain[1] <= cw < plain[1] + 128
+            moved += cw != plain[1]
+    assert (moved > 0) == (multiple % 128 != 0)  # the guard is exercised, never at 128
+
+
 def test_refusals_name_the_option():
     _, odc = runs()
     for out in odc:

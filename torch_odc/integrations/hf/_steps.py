@@ -77,6 +77,25 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# torch 2.11 (at least to 2.13; pytorch/pytorch#196678): on H100/H200 cuDNN's attention backward
+# returns NaN in the query gradient when a mask is given, the length is 64 modulo 128 and a query
+# row sees only masked keys, as a left-padded row's leading pads do. Clean at multiples of 128.
+CUDNN_NAN_MODULUS, CUDNN_NAN_REMAINDER = 128, 64
+
+
+def left_padded_widths(prompt: int, completion: int, multiple: int,
+                       cuda: bool) -> tuple[int, int]:
+    """A left-padded microbatch's prompt and completion widths (GRPO's layout) from its longest
+    of each: at least one completion column, each rounded up to ``multiple``; on CUDA, as many
+    more completion columns (``multiple`` at a time; right padding, masked) as keep the length
+    off 64 modulo 128, the lengths at which cuDNN's attention backward gives NaN gradients for
+    left-padded rows (see ``CUDNN_NAN_MODULUS``)."""
+    pw, cw = round_up(prompt, multiple), round_up(max(1, completion), multiple)
+    while cuda and (pw + cw) % CUDNN_NAN_MODULUS == CUDNN_NAN_REMAINDER:
+        cw += multiple  # a multiple of 128 never lands here; 64 and any other leave at once
+    return pw, cw
+
+
 def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
                              padding_free: bool = False, multiple: int = 1) -> int:
     """The padded tokens of the largest microbatch the unmodified trainer runs of ``rows`` (a

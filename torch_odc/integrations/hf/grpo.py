@@ -60,7 +60,7 @@ from torch_odc import balance
 from . import _compat
 from ._config import ODCConfig
 from ._core import ODCTrainerMixin
-from ._steps import _checked_plan, _LBMini, pack_padded, round_up
+from ._steps import _checked_plan, _LBMini, left_padded_widths, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
@@ -155,6 +155,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     # dataloader (TRL's buffering counts those calls; lengths exist only after generation), and
     # the adapter runs the whole step at the last one.
     _odc_steps_from_dataset = False
+    # pad_to_multiple_of=None on CUDA: GRPO's rows are left-padded, so 128 rather than the
+    # collators' 64 (lengths 64 modulo 128 are where cuDNN's backward gives NaN, _steps.py).
+    AUTO_MULTIPLE = 128
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -318,11 +321,14 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
         """A microbatch's prompt and completion widths from its longest of each: at least one
         completion column, each rounded up to the least common multiple of TRL's
-        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of``. For GRPO None means 1
-        (TRL's alone): with 64 the 1B update's first step gave a NaN gradient norm on H200
-        (benchmarks/sdpa_left_pad.py looks at why)."""
-        m = math.lcm(self.pad_to_multiple_of or 1, self.odc.pad_to_multiple_of or 1)
-        return round_up(prompt, m), round_up(max(1, completion), m)
+        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of`` (None: ``AUTO_MULTIPLE``
+        on CUDA, else 1), never 64 modulo 128 in all on CUDA (``left_padded_widths``)."""
+        want = self.odc.pad_to_multiple_of
+        cuda = self.args.device.type == "cuda"
+        if want is None:
+            want = self.AUTO_MULTIPLE if cuda else 1
+        m = math.lcm(self.pad_to_multiple_of or 1, want)
+        return left_padded_widths(prompt, completion, m, cuda)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the

@@ -188,7 +188,7 @@ def main() -> None:
         # FSDP2 (with ODC, or plain on GPUs; plain on CPU ranks accelerate would use DDP).
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
-    phases = {"rollout": 0.0, "rollout_jit": 0.0}
+    phases = {"rollout": 0.0, "rollout_jit": 0.0, "rollout_peak": None}
     probe = step_probe.StepProbe(args.profile_steps)
 
     class Timed(GRPOTrainer):
@@ -203,6 +203,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             phases["rollout"] += time.perf_counter() - start
             phases["rollout_jit"] += probe.total - compiled
+            if cuda:  # the allocator's running peak once the rollout phase is done (GiB)
+                phases["rollout_peak"] = torch.cuda.max_memory_allocated() / 2**30
             return out
 
     common = {"model": model, "reward_funcs": make_reward(vocab), "args": config,
@@ -229,6 +231,11 @@ def main() -> None:
             entry = {"step": state.global_step, "seconds": now - clock[0],
                      "rollout_seconds": phases["rollout"], "rollouts": per_step,
                      "tokens": tokens - clock[1],
+                     # The allocator's running peak after this step's rollout phase and after
+                     # its update: which phase raised it (ODC's region is apart, constant).
+                     "rollout_allocator_peak_gib": phases["rollout_peak"],
+                     "allocator_peak_gib": (torch.cuda.max_memory_allocated() / 2**30
+                                            if cuda else None),
                      **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
             if not args.plain and trainer.odc_steps:
                 step = trainer.odc_steps[-1]

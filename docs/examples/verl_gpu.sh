@@ -3,6 +3,8 @@
 # with ONE device call (64 MiB with the repository) as one plain tar, .whl-verl/verl-gpu.tar.
 #
 #   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/verl-gpu.tar, < 45 MB
+#   bash docs/examples/verl_gpu.sh setup     # there: verl's environment and the build only
+#                                            # (benchmarks/device_trainers.sh uses it)
 #   # one device call (nvidia-h100-x4, or -x2 for NPROCS=2):
 #   #   carry [".whl-verl/verl-gpu.tar"]  command: bash docs/examples/verl_gpu.sh run
 #   # results: $OUT/results.tgz (packed every 15 s) and $OUT/trainers.json. Order: the
@@ -105,19 +107,8 @@ fetch() {  # on a machine with PyPI; wheels for the GPU image's CPython 3.12
   (( size < 45 * 1000 * 1000 )) || { echo "$TAR is over 45 MB" >&2; exit 1; }
 }
 
-run() {
-  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-    NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4
-  # Results go to a local folder packed into $OUT/results.tgz every 15 s (a device call
-  # returns at most 8 files, and what is under $OUT when it is stopped at its limit).
-  local final="$OUT"
-  OUT=/tmp/odc_verl_results
-  rm -rf "$OUT" && mkdir -p "$OUT" "$final"
-  # Files over 12 MB stay behind (the tool returns none over 16 MiB, and drops the whole tar).
-  pack() { (cd "$OUT" && find . -type f -size -12M) | tar -czf "$final/partial.tgz" -C "$OUT" -T - \
-      2>/dev/null && mv -f "$final/partial.tgz" "$final/results.tgz"; }
-  ( while sleep 15; do pack; done ) &
-  local packer=$!
+setup() {  # verl's environment ($VENV/bin/python) and the extension, from the carried tar
+  local log="${1:-/tmp/verl_build.log}"
   # The wheels this call carried (fetch); the venv sees the image's packages and its pip.
   rm -rf "$STAGE" && mkdir -p "$STAGE"
   tar -xf "$TAR" -C "$STAGE"
@@ -132,8 +123,26 @@ run() {
   chmod +x "$VENV/bin/python"
   "$VENV/bin/python" -c 'import verl.workers.engine_workers, datasets, ray
 print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/verl_build.log" 2>&1 || {
-    tail -30 "$OUT/verl_build.log"; exit 1; }
+  # The build, unless this machine has one (benchmarks/device_trl.sh's, or a warm machine's).
+  python3 -c 'import torch_odc._C' 2>/dev/null \
+    || python3 -m pip install -q --no-build-isolation --no-deps -e . > "$log" 2>&1 || {
+      tail -30 "$log"; exit 1; }
+}
+
+run() {
+  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4
+  # Results go to a local folder packed into $OUT/results.tgz every 15 s (a device call
+  # returns at most 8 files, and what is under $OUT when it is stopped at its limit).
+  local final="$OUT"
+  OUT=/tmp/odc_verl_results
+  rm -rf "$OUT" && mkdir -p "$OUT" "$final"
+  # Files over 12 MB stay behind (the tool returns none over 16 MiB, and drops the whole tar).
+  pack() { (cd "$OUT" && find . -type f -size -12M) | tar -czf "$final/partial.tgz" -C "$OUT" -T - \
+      2>/dev/null && mv -f "$final/partial.tgz" "$final/results.tgz"; }
+  ( while sleep 15; do pack; done ) &
+  local packer=$!
+  setup "$OUT/verl_build.log"
   local py="$PWD/$VENV/bin/python" rc=0
   export PYTHONPATH="$PWD"
   # verl's actor update, ODC (LB-Mini) vs verl's fsdp2 engine (NCCL, equal counts), one rank
@@ -180,7 +189,7 @@ print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
   return $rc
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 fetch | run" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 fetch | setup | run" >&2; exit 2; }
 for step in "$@"; do
-  case $step in fetch|run) "$step" ;; *) echo "unknown step $step" >&2; exit 2;; esac
+  case $step in fetch|setup|run) "$step" ;; *) echo "unknown step $step" >&2; exit 2;; esac
 done

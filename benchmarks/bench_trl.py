@@ -145,7 +145,7 @@ MODES: dict[str, Mode] = {
                   "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
                   "--max-completion", "32", "--mean-completion", "12"],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
-        # odc-nopad: ODC without its default length padding (64 on GPUs; docs/benchmarks.md).
+        # odc-nopad: ODC without its default length padding (128 on GPUs; docs/integrations.md).
         variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"],
                   "odc-nopad": ["--pad-to-multiple-of", "1"]},
         unit="rollouts", warmup=2),

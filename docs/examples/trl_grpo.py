@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="default: derived from TRL's own microbatches (no more memory)")
     ap.add_argument("--pad-to-multiple-of", type=int, default=None,
-                    help="ODCConfig.pad_to_multiple_of (default: 64 on GPUs; 1: no extra padding)")
+                    help="ODCConfig.pad_to_multiple_of (default: 128 on GPUs; 1: no extra padding)")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="each rank packs its own rollouts (no LB-Mini across ranks)")
     ap.add_argument("--plain", action="store_true",

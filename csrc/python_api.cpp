@@ -120,13 +120,15 @@ void bindEngineLifecycle(BackendClass& cls) {
   cls.def(
          "_connect_engine",
          [](torch_odc::OdcBackend& self, const std::vector<py::tuple>& keys, int device_index) {
-           // (name, shard numel, gather dtype, per-parameter gradient numels, accum dtype)
+           // (name, shard numel, gather dtype, per-parameter gradient numels, accum dtype
+           // [, cache dtype])
            std::vector<torch_odc::KeySpec> specs;
            for (const auto& k : keys) {
              specs.push_back(torch_odc::KeySpec{k[0].cast<std::string>(), k[1].cast<size_t>(),
                                                 dtypeFromName(k[2].cast<std::string>()),
                                                 k[3].cast<std::vector<size_t>>(),
                                                 dtypeFromName(k[4].cast<std::string>())});
+             if (k.size() > 5) specs.back().cache_dtype = dtypeFromName(k[5].cast<std::string>());
            }
            py::gil_scoped_release nogil;
            self.connectEngine(specs, device_index);
@@ -177,13 +179,18 @@ void bindKeyedCollectives(BackendClass& cls) {
       .def(
           "_publish_shards",
           [](torch_odc::OdcBackend& self, const std::vector<int64_t>& keys,
-             const std::vector<std::vector<at::Tensor>>& sources) {
+             const std::vector<std::vector<at::Tensor>>& sources, bool place_only) {
             py::gil_scoped_release nogil;
-            return self.publishShards(keys, sources);
+            return self.publishShards(keys, sources, place_only);
           },
-          py::arg("keys"), py::arg("sources"),
-          "Publishes the keys not yet published in this minibatch from their all-gather "
-          "inputs (one multi-tensor copy into the shard caches); returns those it published.");
+          py::arg("keys"), py::arg("sources"), py::arg("place_only") = false,
+          "Publishes the keys not yet published in this minibatch from their sharded "
+          "parameters (one multi-tensor copy into the shard caches, of those not living there "
+          "already; where the cache holds their dtype they move in); returns those it "
+          "published. place_only: fill every key's cache, publish none (attach).")
+      .def("_evict_shards", &torch_odc::OdcBackend::evictShards,
+           py::call_guard<py::gil_scoped_release>(),
+           "Moves the parameters living in the shard caches back into memory of their own.");
 }
 
 // The minibatch barrier and the gradient accumulators it hands over.
@@ -206,7 +213,11 @@ void bindBarrier(BackendClass& cls) {
              // accumulator; from_blob on CUDA would ask the driver about a pointer it never
              // allocated.
              if (numel == 0) return torch::empty({0}, options);
-             return torch::from_blob(e.accumulator(key), {numel}, options);
+             // The view holds the region's memory: a .grad kept past detach or the process
+             // group's end stays valid.
+             auto pin = e.transport().pinLocal();
+             return torch::from_blob(
+                 e.accumulator(key), {numel}, [pin](void*) mutable { pin.reset(); }, options);
            })
       .def("_accumulator_section",
            [](torch_odc::OdcBackend& self) {
@@ -229,9 +240,10 @@ void bindBarrier(BackendClass& cls) {
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
-             return torch::from_blob(e.accumulator(0),
-                                     {static_cast<int64_t>(bytes / torch_odc::elementSize(dtype))},
-                                     options);
+             auto pin = e.transport().pinLocal();
+             return torch::from_blob(
+                 e.accumulator(0), {static_cast<int64_t>(bytes / torch_odc::elementSize(dtype))},
+                 [pin](void*) mutable { pin.reset(); }, options);
            })
       .def("_release", &torch_odc::OdcBackend::barrierRelease, py::arg("zero") = true,
            py::call_guard<py::gil_scoped_release>())
@@ -255,7 +267,11 @@ void bindEngineStats(BackendClass& cls) {
     // .grad are views of them after the barrier), and the rest (control words, flags, lock
     // words, alignment).
     py::dict memory;
-    memory["published_cache_bytes"] = e.layout().cacheBytes();
+    // The caches' bytes that are the sharded parameters themselves (no second copy), and the
+    // rest (a published copy).
+    const size_t adopted = self.adoptedBytes();
+    memory["parameter_bytes"] = adopted;
+    memory["published_cache_bytes"] = e.layout().cacheBytes() - adopted;
     memory["accumulator_bytes"] = e.layout().accumBytes();
     memory["control_bytes"] =
         e.layout().bytes() - e.layout().cacheBytes() - e.layout().accumBytes();

@@ -131,13 +131,23 @@ def _grads_are_accumulator_views(rank, world):
     facts["region_bytes"] = stats["region_bytes"]
     facts["shard_numel"] = sum(p.to_local().numel() for p in model.parameters())
     facts["padded_shard_numel"] = sum(k.shard_numel for k in handle._keys)
-    # detach() leaves .grad as copies (the region is freed): still readable afterwards.
+    # The sharded parameters live in the shard caches (the region holds them, not a copy).
+    cache_lo = min(handle._backend._accumulator(i).data_ptr() for i in range(len(handle._keys)))
+    region_lo = cache_lo - stats["region_bytes"]
+    facts["params_in_region"] = all(region_lo < p.to_local().data_ptr() < cache_lo
+                                    for p in model.parameters())
+    # detach() leaves .grad as copies and moves the parameters out (the region is freed): both
+    # still readable afterwards, with their values.
     loss_of(model, samples(2, 1)[0]).backward()
     torch_odc.minibatch_barrier()
     expected = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    values = {n: p.to_local().clone() for n, p in model.named_parameters()}
     handle.detach()
     facts["grads_after_detach"] = all(
         torch.equal(p.grad.to_local(), expected[n]) for n, p in model.named_parameters())
+    facts["params_after_detach"] = all(
+        torch.equal(p.to_local(), values[n]) and not region_lo < p.to_local().data_ptr() < cache_lo
+        for n, p in model.named_parameters())
     dist.barrier()
     return facts
 
@@ -147,9 +157,41 @@ def test_grads_are_views_of_the_accumulators_and_stats_report_memory_by_category
         assert facts["placeholders_during_microbatches"], facts
         assert facts["views"], facts
         assert facts["grads_after_detach"], facts
+        assert facts["params_in_region"], facts
+        assert facts["params_after_detach"], facts
         memory = facts["memory"]
         padded = facts["padded_shard_numel"]
-        assert memory["published_cache_bytes"] == 4 * padded  # fp32 model: fp32 shards
+        # fp32 model: the caches hold the fp32 shards, which are the parameters themselves.
+        assert memory["parameter_bytes"] == 4 * padded, memory
+        assert memory["published_cache_bytes"] == 0, memory
         assert memory["accumulator_bytes"] == 4 * padded  # every parameter trainable
         assert 0 < memory["control_bytes"] < 64 * 1024, memory
         assert sum(memory.values()) == facts["region_bytes"]
+
+
+def _outlive(rank, world):
+    """Trains one minibatch under ODC (the parameters live in the region, .grad views it), then
+    ends the process group without detach: both stay readable, with their values."""
+    import torch_odc
+
+    model = sharded_model(world, "cpu")
+    torch_odc.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model, samples(0, world)[rank]).backward()
+    torch_odc.minibatch_barrier()
+    opt.step()
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    values = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    dist.destroy_process_group()
+    import gc
+    gc.collect()
+    # Fresh memory reuses what an unmapped region left (a dangling view would read it).
+    scratch = [torch.full((1 << 16,), 7.0) for _ in range(64)]
+    same = all(torch.equal(p.to_local(), values[n]) and torch.equal(p.grad.to_local(), grads[n])
+               for n, p in model.named_parameters())
+    del scratch
+    return same
+
+
+def test_parameters_and_grads_outlive_the_process_group_without_detach():
+    assert run_ranks(2, _outlive) == [True, True]

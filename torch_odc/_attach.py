@@ -93,6 +93,10 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         for module in key.unit.modules:
             handle._hooks.append(
                 module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
+    # The sharded parameters move into the shard caches now (before the optimizer's state is
+    # made, before the first minibatch): FSDP2's lazy init may still re-pad some (those move in
+    # at their first publish).
+    handle._place_shards()
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)

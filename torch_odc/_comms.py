@@ -41,6 +41,8 @@ class _KeyedAllGather(_fsdp2.AllGather):
                 handle._enter_minibatch()
             if group is not handle._group:
                 raise RuntimeError(handle._wrong_group(self._key, "all-gather", group))
+            if not handle._all_published:
+                handle._publish_key(self._key)
             return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor,
                                                      async_op)
         finally:

@@ -293,6 +293,14 @@ def all_gather_input(unit: Unit) -> tuple[torch.dtype, list[torch.Tensor]]:
     return dtype, data
 
 
+def shard_dtype(unit: Unit) -> torch.dtype | None:
+    """The dtype of the padded flat shards FSDP2 keeps for the unit's parameters (the sharded
+    parameters' own dtype, what `all_gather_input` casts from) if they all share one, else
+    None."""
+    dtypes = {fp._sharded_param_data.dtype for fp in unit.params}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def divide_settings(unit: Unit) -> tuple:
     """The param group's settings that `push_scale` depends on besides the reduce dtype."""
     group = unit.group

@@ -38,6 +38,9 @@ class Handle:
         self._attached = True
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
+        # Every key published in this minibatch; else those published so far (by index).
+        self._all_published = False
+        self._published: set[int] = set()
         self._hooks: list = []
         self._step_hook = None
         self._params = list(model.parameters())
@@ -100,6 +103,7 @@ class Handle:
         # step: peers' pushes of that minibatch wait for it.
         self._entered = False
         self._publish_pending = self._eager
+        self._all_published, self._published = False, set()
         got_grad = [b._grad_params(index) for index in range(len(self._keys))]
         if self._replicate is not None:
             got_grad = self._reduce_across_replicas(got_grad)
@@ -230,17 +234,35 @@ class Handle:
         copy on the current stream (after the optimizer step). A publish reads no peer and waits
         for nobody, so this cannot deadlock."""
         self._lazy_init()
-        keys, sources = [], []
-        for index, key in enumerate(self._keys):
-            dtype, shards = _fsdp2.all_gather_input(key.unit)
-            if dtype != key.gather_dtype:
-                raise RuntimeError(
-                    f"torch_odc: {self._where()}: FSDP2 now all-gathers '{key.name}' in {dtype}, "
-                    f"but it was attached with {key.gather_dtype}; re-attach after changing "
-                    "parameter or mixed-precision dtypes")
-            keys.append(index)
-            sources.append(shards)
-        self._backend._publish_shards(keys, sources)
+        keys = range(len(self._keys))
+        self._backend._publish_shards(keys, [self._shards(index) for index in keys])
+        self._all_published = True
+
+    def _publish_key(self, index: int) -> None:
+        """Publishes one key at its all-gather, if this rank has not yet in this minibatch (no
+        eager publish): the same copy as `_publish_unpublished`, from the sharded parameters."""
+        if index in self._published:
+            return
+        self._lazy_init()
+        self._backend._publish_shards([index], [self._shards(index)])
+        self._published.add(index)
+
+    def _shards(self, index: int) -> list[torch.Tensor]:
+        key = self._keys[index]
+        dtype, shards = _fsdp2.all_gather_input(key.unit)
+        if dtype != key.gather_dtype:
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: FSDP2 now all-gathers '{key.name}' in {dtype}, "
+                f"but it was attached with {key.gather_dtype}; re-attach after changing "
+                "parameter or mixed-precision dtypes")
+        return shards
+
+    def _place_shards(self) -> None:
+        """At attach: fills every shard cache, moving the sharded parameters in where it holds
+        their dtype (see `_Key.cache_dtype`); publishes nothing."""
+        keys = range(len(self._keys))
+        self._backend._publish_shards(
+            keys, [_fsdp2.all_gather_input(self._keys[i].unit)[1] for i in keys], True)
 
     def _pre_forward(self, module, args) -> None:
         # The first forward of a minibatch publishes every shard up front. Published lazily (at
@@ -337,6 +359,8 @@ class Handle:
                 key.unit.module.set_requires_all_reduce(True, recurse=False)
             key.unit.module.set_custom_all_gather(key.prev_all_gather)
             key.unit.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
+        # The parameters living in the shard caches move back into memory of their own.
+        self._backend._evict_shards()
         self._backend._disconnect_engine()
         self._attached = False
         if self in _handles:

@@ -34,6 +34,14 @@ class _Key:
         self.name = unit.name
         self.gather_dtype = _fsdp2.gather_dtype(unit, unit.params[0])
         self.accum_dtype = torch.float64 if self.gather_dtype == torch.float64 else torch.float32
+        # What the shard cache holds: the sharded parameters in their own dtype where a read can
+        # turn them into the all-gather input (the same dtype, or fp32 rounded to bf16/fp16
+        # mixed precision); they then move into the cache (no second copy of them). Otherwise
+        # their all-gather input, copied in at each publish.
+        source = _fsdp2.shard_dtype(unit)
+        self.cache_dtype = source if source is not None and (
+            source == self.gather_dtype or (source == torch.float32 and self.gather_dtype in (
+                torch.bfloat16, torch.float16))) else self.gather_dtype
         self.shard_numel = sum(_fsdp2.padded_shard_numel(fp) for fp in unit.params)
         # Frozen parameters have no accumulator span (and cost no accumulator memory).
         self.grad_numels = [
@@ -118,7 +126,7 @@ class _Key:
 
     def spec(self) -> tuple:
         return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
-                _DTYPE_NAMES[self.accum_dtype])
+                _DTYPE_NAMES[self.accum_dtype], _DTYPE_NAMES[self.cache_dtype])
 
     def before_forward(self) -> None:
         t0 = perf_counter()

@@ -2,6 +2,7 @@
 
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
@@ -13,6 +14,7 @@
 #ifdef ODC_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <nvtx3/nvToolsExt.h>
 
@@ -622,6 +624,15 @@ void OdcBackend::connectEngine(const std::vector<KeySpec>& keys, int device_inde
                 "(built without a CUDA toolkit matching torch); rebuild on a CUDA machine");
 #endif
   }
+  for (const auto& k : keys) {
+    TORCH_CHECK(KeySpec::servable(k.cacheDtype(), k.gather_dtype), "odc: rank ", rank_, ": key '",
+                k.name, "': a ", dtypeName(k.cacheDtype()), " shard cache cannot serve ",
+                dtypeName(k.gather_dtype), " all-gathers");
+  }
+  {
+    std::lock_guard<std::mutex> adopt(adopt_mu_);
+    adopted_.clear();
+  }
   auto engine = std::make_unique<Engine>(rank_, size_, timeout_, std::move(transport));
   StoreRendezvous rdv(store_);
   engineCall(
@@ -632,6 +643,8 @@ void OdcBackend::connectEngine(const std::vector<KeySpec>& keys, int device_inde
 void OdcBackend::disconnectEngine() {
   std::lock_guard<std::mutex> lock(mu_);
   engine_.reset();
+  std::lock_guard<std::mutex> adopt(adopt_mu_);
+  adopted_.clear();  // parameters still living in the region keep its memory (their pins)
 }
 
 void OdcBackend::noteCollective(c10d::OpType type) {
@@ -842,7 +855,8 @@ WorkPtr OdcBackend::keyedReduceScatterCall(int key, at::Tensor& output, at::Tens
 }
 
 std::vector<size_t> OdcBackend::publishShards(const std::vector<int64_t>& keys,
-                                              const std::vector<std::vector<at::Tensor>>& sources) {
+                                              const std::vector<std::vector<at::Tensor>>& sources,
+                                              bool place_only) {
   HostTimer timer(*this, HostOp::kPublish);
   OpRange range("odc::publish_shards");
   const auto held = engine("publish");
@@ -885,40 +899,159 @@ std::vector<size_t> OdcBackend::publishShards(const std::vector<int64_t>& keys,
 #endif
   engineCall([&] { checkTransportErrors(eng); });
   std::vector<size_t> done;
+  if (place_only) {
+    std::vector<void*> caches;
+    for (const size_t k : wanted) {
+      caches.push_back(eng.transport().localPointer(layout.offsets(k).cache));
+    }
+    engineCall([&] { fillCaches(eng, wanted, caches, index, sources, stream); });
+    return done;
+  }
   engineCall([&] {
     done = eng.publishWith(
         wanted,
         [&](const std::vector<size_t>& todo, const std::vector<void*>& caches) {
-          // Every source tensor of every key to publish, and its place in the key's cache (a
-          // view of the region in the key's gather dtype): one multi-tensor copy, which also
-          // casts to the gather dtype exactly as FSDP2's own all-gather copy-in does.
-          // The cache views name their device: from_blob would otherwise ask the driver where
-          // each pointer lives (one query per tensor, ~150 per minibatch for a 16-layer model).
-          // FSDP2's shards are flat already and are passed as they are.
-          const c10::Device on =
-              device >= 0 ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))
-                          : c10::Device(c10::kCPU);
-          std::vector<at::Tensor> dst, src;
-          for (size_t n = 0; n < todo.size(); ++n) {
-            const auto& spec = layout.key(todo[n]);
-            const auto options =
-                at::TensorOptions().dtype(scalarTypeOf(spec.gather_dtype)).device(on);
-            auto* at_byte = static_cast<uint8_t*>(caches[n]);
-            for (const auto& t : sources[index[todo[n]]]) {
-              if (t.numel() == 0) continue;
-              dst.push_back(at::for_blob(at_byte, {t.numel()})
-                                .options(options)
-                                .target_device(on)
-                                .make_tensor());
-              src.push_back(t.dim() == 1 ? t : t.view({t.numel()}));
-              at_byte += static_cast<size_t>(t.numel()) * elementSize(spec.gather_dtype);
-            }
-          }
-          if (!dst.empty()) at::_foreach_copy_(dst, src);
+          fillCaches(eng, todo, caches, index, sources, stream);
         },
         stream);
   });
   return done;
+}
+
+namespace {
+
+// The context of a DataPtr into the own region: a pin of the region's memory (pinLocal).
+void releasePin(void* ctx) { delete static_cast<std::shared_ptr<void>*>(ctx); }
+
+c10::weak_intrusive_ptr<c10::StorageImpl> noStorage() {
+  return c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>());
+}
+
+}  // namespace
+
+void OdcBackend::evictLocked(Adopted& slot, c10::StorageImpl* keep, Stream stream) {
+  auto impl = slot.storage.lock();
+  slot.storage = noStorage();
+  if (!impl || impl.get() == keep || impl->data_ptr().get() != slot.at) return;
+  // The parameter leaves the cache: memory of its own from its storage's allocator (on CUDA
+  // the caching allocator, on the current stream), the bytes copied over on that stream.
+  c10::Allocator* allocator = impl->allocator();
+  TORCH_CHECK(allocator, "odc: rank ", rank_,
+              ": a parameter living in the shard cache has no "
+              "allocator to move it back to");
+  c10::DataPtr fresh = allocator->allocate(slot.bytes);
+  if (slot.bytes > 0) {
+    if (impl->device_type() == c10::kCPU) {
+      std::memcpy(fresh.get(), slot.at, slot.bytes);
+    } else {
+#ifdef ODC_WITH_CUDA
+      C10_CUDA_CHECK(cudaMemcpyAsync(fresh.get(), slot.at, slot.bytes, cudaMemcpyDeviceToDevice,
+                                     static_cast<cudaStream_t>(stream)));
+#else
+      TORCH_CHECK(false, "odc: a device parameter in a build without CUDA");
+#endif
+    }
+  }
+  impl->set_data_ptr_noswap(std::move(fresh));
+}
+
+void OdcBackend::fillCaches(Engine& eng, const std::vector<size_t>& todo,
+                            const std::vector<void*>& caches, const std::vector<size_t>& index,
+                            const std::vector<std::vector<at::Tensor>>& sources, Stream stream) {
+  // Every source tensor of every key to fill, and its place in the key's cache (a view of the
+  // region in the key's cache dtype): one multi-tensor copy, which also casts exactly as FSDP2's
+  // own all-gather copy-in does where the cache holds the gather dtype. The cache views name
+  // their device: from_blob would otherwise ask the driver where each pointer lives (one query
+  // per tensor, ~150 per minibatch for a 16-layer model). FSDP2's shards are flat already and
+  // are passed as they are. A source that lives in its place already is not copied.
+  const auto& layout = eng.layout();
+  const int device = eng.transport().deviceIndex();
+  const c10::Device on = device >= 0
+                             ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))
+                             : c10::Device(c10::kCPU);
+  std::shared_ptr<void> pin = eng.transport().pinLocal();
+  struct Adopt {
+    at::Tensor source;
+    void* at;
+    size_t slot;
+    size_t bytes;
+  };
+  std::vector<Adopt> adopt;
+  std::vector<at::Tensor> dst, src;
+  std::lock_guard<std::mutex> lock(adopt_mu_);
+  if (adopted_.size() != layout.numParams()) adopted_.assign(layout.numParams(), Adopted{});
+  for (size_t n = 0; n < todo.size(); ++n) {
+    const auto& spec = layout.key(todo[n]);
+    const DType cache = spec.cacheDtype();
+    const auto options = at::TensorOptions().dtype(scalarTypeOf(cache)).device(on);
+    const size_t first = layout.offsets(todo[n]).first_param;
+    const auto& list = sources[index[todo[n]]];
+    TORCH_CHECK(list.size() == spec.grad_numels.size(), "odc: rank ", rank_, ": the shard of key '",
+                spec.name, "' came as ", list.size(), " tensors for its ", spec.grad_numels.size(),
+                " parameters");
+    auto* at_byte = static_cast<uint8_t*>(caches[n]);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const auto& t = list[i];
+      const size_t bytes = static_cast<size_t>(t.numel()) * elementSize(cache);
+      if (t.numel() == 0) continue;
+      void* here = at_byte;
+      at_byte += bytes;
+      if (t.data_ptr() == here) continue;  // the parameter lives in its place
+      // Whatever lived here leaves first (its bytes are about to be overwritten): FSDP2
+      // replaced the parameter's storage (lazy init's re-padding, _apply).
+      evictLocked(adopted_[first + i], nullptr, stream);
+      dst.push_back(
+          at::for_blob(here, {t.numel()}).options(options).target_device(on).make_tensor());
+      src.push_back(t.dim() == 1 ? t : t.view({t.numel()}));
+      const auto& storage = t.storage();
+      if (pin && t.scalar_type() == scalarTypeOf(cache) && t.storage_offset() == 0 &&
+          storage.nbytes() == bytes && storage.data_ptr().get() == t.data_ptr() &&
+          storage.data_ptr().get_deleter() != &releasePin &&
+          !c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) {
+        adopt.push_back({t, here, first + i, bytes});
+      }
+    }
+  }
+  if (!dst.empty()) at::_foreach_copy_(dst, src);
+  for (auto& a : adopt) {
+    c10::StorageImpl* impl = a.source.storage().unsafeGetStorageImpl();
+    c10::DataPtr old =
+        impl->set_data_ptr(c10::DataPtr(a.at, new std::shared_ptr<void>(pin), &releasePin, on));
+#ifdef ODC_WITH_CUDA
+    // The copy above still reads the old block on this stream: no reuse before it completes.
+    if (device >= 0) {
+      c10::cuda::CUDACachingAllocator::recordStream(
+          old, at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
+    }
+#endif
+    adopted_[a.slot] = Adopted{a.source.storage().getWeakStorageImpl(), a.at, a.bytes};
+  }
+}
+
+void OdcBackend::evictShards() {
+  const auto held = engine("detach");
+  auto& eng = *held;
+  Stream stream = nullptr;
+#ifdef ODC_WITH_CUDA
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (const int device = eng.transport().deviceIndex(); device >= 0) {
+    guard.emplace(static_cast<c10::DeviceIndex>(device));
+    stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  }
+#endif
+  std::lock_guard<std::mutex> lock(adopt_mu_);
+  for (auto& slot : adopted_) evictLocked(slot, nullptr, stream);
+  adopted_.clear();
+}
+
+size_t OdcBackend::adoptedBytes() {
+  std::lock_guard<std::mutex> lock(adopt_mu_);
+  size_t bytes = 0;
+  for (const auto& slot : adopted_) {
+    const auto impl = slot.storage.lock();
+    if (impl && impl->data_ptr().get() == slot.at) bytes += slot.bytes;
+  }
+  return bytes;
 }
 
 Stream OdcBackend::keyedStream(Engine& eng, const at::Tensor& a, const at::Tensor& b,

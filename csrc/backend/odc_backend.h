@@ -131,8 +131,23 @@ class OdcBackend : public c10d::Backend {
   // sharded parameters, cast to the key's gather dtype by the copy) into its shard cache, all
   // keys in one multi-tensor copy on the current stream, then releasing their flags. Returns the
   // keys it published.
+  //
+  // A key whose cache dtype is its sources' dtype (KeySpec::cache_dtype) takes its sharded
+  // parameters in: a source whose storage is its own (FSDP2's padded flat shard of one
+  // parameter: offset 0, exactly its bytes) is re-pointed at its place in the cache after the
+  // copy, so the parameter lives there (no second copy of it; every view of the storage, the
+  // DTensor parameter the optimizer steps included, sees the region) and later publishes of it
+  // copy nothing. The region's memory stays allocated while such a storage lives.
+  // `place_only`: every key's cache is filled (adopting as above), no flag is released: at
+  // attach, before the first minibatch.
   std::vector<size_t> publishShards(const std::vector<int64_t>& keys,
-                                    const std::vector<std::vector<at::Tensor>>& sources);
+                                    const std::vector<std::vector<at::Tensor>>& sources,
+                                    bool place_only = false);
+  // Moves every parameter living in a shard cache back into memory of its own (its storage's
+  // allocator), on the current stream: before detach frees the region.
+  void evictShards();
+  // Bytes of the shard caches that are parameters living there (not a second copy).
+  size_t adoptedBytes();
   // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
   void barrierArrive();
   void barrierRelease(bool zero);
@@ -194,6 +209,20 @@ class OdcBackend : public c10d::Backend {
   BackendPtr cuda_;
   bool shutdown_ = false;
   std::shared_ptr<Engine> engine_;
+  // Per parameter slot of the engine's layout (key order), the storage that lives in its place in
+  // the shard cache (publishShards), if any.
+  struct Adopted {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    void* at = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<Adopted> adopted_;
+  std::mutex adopt_mu_;  // guards adopted_
+  // Fills the caches of `todo` (publishShards); `caches[n]`: where todo[n]'s cache is.
+  void fillCaches(Engine& eng, const std::vector<size_t>& todo, const std::vector<void*>& caches,
+                  const std::vector<size_t>& index,
+                  const std::vector<std::vector<at::Tensor>>& sources, Stream stream);
+  void evictLocked(Adopted& slot, c10::StorageImpl* keep, Stream stream);
   int engine_generation_ = 0;
   int support_checks_ = 0;
 

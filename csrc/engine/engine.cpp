@@ -160,6 +160,16 @@ void Engine::publishLocked(size_t key, const void* in, size_t in_bytes, DType dt
                    std::to_string(spec.shardBytes()) + " bytes of " + dtypeName(spec.gather_dtype));
   }
   if (published_[key] == epoch_) return;
+  if (spec.cacheDtype() != spec.gather_dtype) {
+    // The cache holds the parameters in a wider dtype than the all-gather input: only their
+    // owner's publish (publishWith, from the sharded parameters) can fill it.
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": all-gather of " + where(key) +
+                   " before this rank published it: its shard cache holds " +
+                   dtypeName(spec.cacheDtype()) + " parameters, which the " +
+                   dtypeName(spec.gather_dtype) +
+                   " all-gather input cannot fill (publish "
+                   "through torch_odc.attach's hooks first)");
+  }
   const auto& off = layout_.offsets(key);
   transport_->writeLocal(off.cache, in, in_bytes, stream);
   transport_->publish(off.published_flag, epoch_, stream);
@@ -217,9 +227,10 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
   const auto& off = layout_.offsets(key);
   auto* out_bytes_ptr = static_cast<uint8_t*>(out);
   uint8_t* own = out_bytes_ptr + static_cast<size_t>(rank_) * in_bytes;
+  const size_t numel = layout_.key(key).shard_numel;
   if (own != in) {
     // FSDP2 passes a view of the output's own chunk; anything else is copied from the cache.
-    transport_->read(rank_, off.cache, own, in_bytes, stream);
+    transport_->readAs(rank_, off.cache, own, numel, layout_.key(key).cacheDtype(), dtype, stream);
   }
   // Peers in rotated order, so that no owner is read by every rank at once.
   const bool ready_known = gather_waited_[key] == epoch_ && gather_stream_[key] == stream;
@@ -241,10 +252,11 @@ void Engine::gather(size_t key, void* out, const void* in, size_t in_bytes, size
                                            "torch_odc.minibatch_barrier()?";
                                   }},
                       ready_known});
-    current_.bytes_fetched += in_bytes;
+    current_.bytes_fetched += layout_.key(key).cacheBytes();
   }
   current_.publish_wait_s +=
-      transport_->gatherPeers(off.cache, off.published_flag, epoch_, in_bytes, reads_, stream);
+      transport_->gatherPeers(off.cache, off.published_flag, epoch_, numel,
+                              layout_.key(key).cacheDtype(), dtype, reads_, stream);
   transport_->endOp(stream);
   gather_waited_[key] = epoch_;
   gather_stream_[key] = stream;
@@ -347,7 +359,8 @@ void Engine::waitOwnersReady(size_t key, Stream stream) {
                                                           "did it stop training?";
                                                  }}});
   }
-  transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, reads_, stream);
+  transport_->gatherPeers(0, layout_.readyFlag(), epoch_ - 1, 0, DType::kByte, DType::kByte, reads_,
+                          stream);
   transport_->endOp(stream);
   ready_waited_ = epoch_;
   ready_stream_ = stream;

@@ -90,8 +90,9 @@ class Engine {
   void publish(size_t key, const void* in, size_t in_bytes, DType dtype, Stream stream);
   // Publishes, in one operation, every key of `keys` not yet published in this epoch: `fill` is
   // called once with those keys and their caches (host pointers on the CPU, device pointers for
-  // CUDA) and must write each one's shard (shardBytes() of its gather dtype) there, on `stream`;
-  // then every flag is released after the fill, on `stream`. Reads nothing, waits for nobody.
+  // CUDA) and must make each one hold its shard (cacheBytes(), in the cache dtype) on `stream`,
+  // writing nothing where it holds it already (parameters that live in the cache); then every
+  // flag is released after the fill, on `stream`. Reads nothing, waits for nobody.
   // `fill` runs under the engine's lock: it must not call the engine. Returns the keys published.
   using Fill =
       std::function<void(const std::vector<size_t>& keys, const std::vector<void*>& caches)>;

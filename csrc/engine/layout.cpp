@@ -36,8 +36,8 @@ RegionLayout::RegionLayout(std::vector<KeySpec> keys) : keys_(std::move(keys)) {
   }
   for (size_t k = 0; k < keys_.size(); ++k) {
     offsets_[k].cache = off;
-    off = alignUp(off + keys_[k].shardBytes(), kAlign);
-    cache_bytes_ += keys_[k].shardBytes();
+    off = alignUp(off + keys_[k].cacheBytes(), kAlign);
+    cache_bytes_ += keys_[k].cacheBytes();
   }
   for (size_t k = 0; k < keys_.size(); ++k) {
     offsets_[k].accum = off;
@@ -61,7 +61,7 @@ std::string RegionLayout::digest() const {
     for (size_t i = 0; i < k.grad_numels.size(); ++i) {
       out += (i ? "," : "") + std::to_string(k.grad_numels[i]);
     }
-    out += std::string(":") + dtypeName(k.accum_dtype) + ';';
+    out += std::string(":") + dtypeName(k.accum_dtype) + ':' + dtypeName(k.cacheDtype()) + ';';
   }
   return out;
 }

@@ -8,7 +8,9 @@
 //   flags     : per key: published epoch of the shard cache; one ready flag: the minibatches
 //               whose gradients this rank released (its accumulators take pushes of the next)
 //   locks     : per key and accumulator block: a spinlock word (CPU accumulation only)
-//   caches    : per key: this rank's shard (the all-gather input), written only by the owner
+//   caches    : per key: this rank's shard, written only by the owner: the all-gather input, or
+//               (cache dtype fp32 under bf16/fp16 mixed precision) the fp32 sharded parameters
+//               themselves, which readers round to the gather dtype as they copy
 //   accums    : per key: this rank's gradient accumulator (fp32; fp64 for fp64 models), one
 //               span per trainable parameter, added into by every pusher
 #pragma once
@@ -16,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,8 +35,21 @@ struct KeySpec {
   // parameter, which has no accumulator span and may not be pushed.
   std::vector<size_t> grad_numels;
   DType accum_dtype = DType::kFloat32;  // whatever dtype pushes arrive in (fp64: only fp64)
+  // The dtype the shard cache holds (unset: the gather dtype). fp32 with a bf16 or fp16 gather
+  // dtype: the cache holds the sharded fp32 parameters (the bytes FSDP2 casts from) and every
+  // read rounds them to the gather dtype (round to nearest even, as FSDP2's cast does).
+  std::optional<DType> cache_dtype;
 
+  DType cacheDtype() const { return cache_dtype.value_or(gather_dtype); }
+  // The all-gather input's bytes (gather dtype) and the shard cache's (cache dtype).
   size_t shardBytes() const { return shard_numel * elementSize(gather_dtype); }
+  size_t cacheBytes() const { return shard_numel * elementSize(cacheDtype()); }
+  // Whether a cache of `cache` can serve a gather of `gather`: the same dtype, or fp32 read as
+  // bf16/fp16.
+  static bool servable(DType cache, DType gather) {
+    return cache == gather ||
+           (cache == DType::kFloat32 && (gather == DType::kBFloat16 || gather == DType::kFloat16));
+  }
   size_t accumNumel() const {
     return std::accumulate(grad_numels.begin(), grad_numels.end(), size_t{0});
   }

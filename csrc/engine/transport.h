@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,8 +33,13 @@ class Transport {
   // `rdv` under `prefix`, import every peer's. Regions start zeroed.
   virtual void connect(Rendezvous& rdv, const std::string& prefix, const RegionLayout& layout,
                        std::chrono::milliseconds timeout) = 0;
-  // Unmaps everything; idempotent.
+  // Unmaps everything; idempotent. The own region's memory outlives close() while a pin of it
+  // (pinLocal) is held.
   virtual void close() = 0;
+  // A reference that keeps the own region's memory allocated (not its mapping by peers) after
+  // close(), for tensors that view it (the sharded parameters a shard cache holds, the
+  // gradient views of the accumulators); null if the transport cannot.
+  virtual std::shared_ptr<void> pinLocal() { return nullptr; }
 
   // ---- data path (ordered on `stream`) ----
   // Copies local memory into the own region (the shard cache fill).
@@ -51,6 +57,16 @@ class Transport {
                         Stream stream) = 0;
   // One-sided read from a peer's region.
   virtual void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) = 0;
+  // read() of `numel` elements of `from` as `to`: a copy when they are equal, else fp32 rounded
+  // to bf16/fp16 exactly as torch rounds (KeySpec::servable).
+  virtual void readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
+                      Stream stream) {
+    if (from != to) {
+      throw OdcError(std::string("odc: the ") + name() + " transport cannot read " +
+                     dtypeName(from) + " as " + dtypeName(to));
+    }
+    read(peer, offset, dst, numel * elementSize(from), stream);
+  }
   // One-sided accumulate: acc[elem + i] += scale * src[i] for i < numel, where acc is the peer's
   // accumulator at `accum_offset`, in accumDtypeFor(dtype) (16-bit sources are widened to fp32
   // before the add). Safe under concurrent pushers into the same accumulator: `locks_offset`
@@ -61,7 +77,8 @@ class Transport {
                           uint64_t epoch, const void* src, size_t numel, DType dtype, double scale,
                           Stream stream) = 0;
   // One keyed gather's peer part: for each entry, wait until the peer's flag at `flag_offset`
-  // is >= value, then read `bytes` (0: only wait) from the peer's region at `offset` into `dst`.
+  // is >= value, then read `numel` elements of `from` (0: only wait) from the peer's region at
+  // `offset` into `dst` as `to` (readAs).
   // Returns the host seconds spent waiting (0 where the waits run on a device). The default runs
   // the entries one after the other through waitFlag + read; a transport may run them as one
   // operation (the CUDA transport: one kernel over every peer).
@@ -74,8 +91,9 @@ class Transport {
     WaitContext ctx;
     bool ready_known = false;
   };
-  virtual double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
-                             const std::vector<PeerRead>& reads, Stream stream) {
+  virtual double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t numel,
+                             DType from, DType to, const std::vector<PeerRead>& reads,
+                             Stream stream) {
     double waited = 0;
     for (const auto& r : reads) {
       if (!r.ready_known) {
@@ -83,7 +101,7 @@ class Transport {
         waitFlag(r.peer, flag_offset, value, r.ctx, stream);
         waited += std::chrono::duration<double>(Clock::now() - t0).count();
       }
-      if (bytes > 0) read(r.peer, offset, r.dst, bytes, stream);
+      if (numel > 0) readAs(r.peer, offset, r.dst, numel, from, to, stream);
     }
     return waited;
   }

@@ -25,8 +25,8 @@ using namespace odc_test;
 namespace {
 
 std::vector<KeySpec> twoKeys() {
-  return {KeySpec{"layers.0", 1000, DType::kFloat32, {1000}, DType::kFloat32},
-          KeySpec{"layers.1", 37, DType::kFloat32, {30, 7}, DType::kFloat32}};
+  return {KeySpec{"layers.0", 1000, DType::kFloat32, {1000}, DType::kFloat32, {}},
+          KeySpec{"layers.1", 37, DType::kFloat32, {30, 7}, DType::kFloat32, {}}};
 }
 
 float shardValue(int rank, size_t key, uint64_t epoch, size_t i) {
@@ -75,7 +75,7 @@ TEST(Engine, PublishWithFillsOnlyUnpublishedCachesThenPeersReadThem) {
   for (int world : {2, 3}) {
     expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
       std::vector<KeySpec> keys = twoKeys();
-      keys.push_back({"layers.2", 5, DType::kFloat32, {5}, DType::kFloat32});
+      keys.push_back({"layers.2", 5, DType::kFloat32, {5}, DType::kFloat32, {}});
       auto e = makeEngine(rank, world, rdv, keys);
       for (uint64_t epoch = 1; epoch <= 2; ++epoch) {
         // Key 1 is published by its own gather first (lazy), then every key in one operation:
@@ -123,14 +123,63 @@ TEST(Engine, PublishWithFillsOnlyUnpublishedCachesThenPeersReadThem) {
   }
 }
 
+TEST(Engine, AnFp32ShardCacheIsReadAsTheGatherDtypeRoundedAsTorchRounds) {
+  // Mixed precision: the cache holds the fp32 parameters, a gather reads them as bf16 or fp16.
+  // Expected bits: torch 2.11's .to(torch.bfloat16) / .to(torch.float16) of these values (ties
+  // to even, overflow, subnormals, underflow to zero).
+  const std::vector<float> values{1.0f,         1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -2.0f,
+                                  3.0e38f,      1e-40f,         65504.0f,       65520.0f,
+                                  65519.0f,     0x1p-24f,       0x1p-25f,       0x3p-25f,
+                                  1 + 0x1p-11f, 1 + 0x3p-11f,   6.1e-5f,        INFINITY};
+  const std::vector<uint16_t> bf16{0x3f80, 0x3f80, 0x3f82, 0xc000, 0x7f62, 0x0001, 0x4780, 0x4780,
+                                   0x4780, 0x3380, 0x3300, 0x33c0, 0x3f80, 0x3f80, 0x3880, 0x7f80};
+  const std::vector<uint16_t> fp16{0x3c00, 0x3c04, 0x3c0c, 0xc000, 0x7c00, 0x0000, 0x7bff, 0x7c00,
+                                   0x7bff, 0x0001, 0x0000, 0x0002, 0x3c00, 0x3c02, 0x03ff, 0x7c00};
+  const int world = 2;
+  expectAllOk(runRanks(world, [&](int rank, Rendezvous& rdv) {
+    const size_t n = values.size();
+    std::vector<KeySpec> keys{{"bf16", n, DType::kBFloat16, {n}, DType::kFloat32, DType::kFloat32},
+                              {"fp16", n, DType::kFloat16, {n}, DType::kFloat32, DType::kFloat32}};
+    auto e = makeEngine(rank, world, rdv, keys);
+    REQUIRE(e->layout().cacheBytes() >= 2 * n * 4);
+    e->publishWith(
+        {0, 1},
+        [&](const std::vector<size_t>& todo, const std::vector<void*>& caches) {
+          for (size_t k = 0; k < todo.size(); ++k) std::memcpy(caches[k], values.data(), n * 4);
+        },
+        nullptr);
+    for (size_t k = 0; k < 2; ++k) {
+      // The own chunk is the input (FSDP2's copy-in); the peer's comes from its fp32 cache.
+      std::vector<uint16_t> out(n * world, 0xffff);
+      const auto& want = k == 0 ? bf16 : fp16;
+      std::memcpy(out.data() + rank * n, want.data(), n * 2);
+      e->gather(k, out.data(), out.data() + rank * n, n * 2, out.size() * 2,
+                k == 0 ? DType::kBFloat16 : DType::kFloat16, nullptr);
+      const int peer = 1 - rank;
+      for (size_t i = 0; i < n; ++i) REQUIRE(out[peer * n + i] == want[i]);
+    }
+    // Only the owner's publish from its parameters can fill such a cache: a gather before it
+    // is refused (the 16-bit input cannot fill it).
+    e->arrive(nullptr);
+    e->release(nullptr);
+    std::vector<uint16_t> in(n), out(n * world);
+    try {
+      e->gather(0, out.data(), in.data(), n * 2, out.size() * 2, DType::kBFloat16, nullptr);
+      REQUIRE(false);
+    } catch (const OdcError& err) {
+      REQUIRE(std::string(err.what()).find("before this rank published it") != std::string::npos);
+    }
+  }));
+}
+
 TEST(Engine, ConcurrentPushesAccumulateExactlyWithUnevenMicrobatchCounts) {
   const int world = 4;
   expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
     // Key 0: a large parameter (several lock blocks), a frozen one (no accumulator) and a small
     // one; key 1: one small parameter. bf16 pushes land in the same fp32 accumulators.
     const size_t big = RegionLayout::kLockBlockElems * 3 + 5;
-    std::vector<KeySpec> keys{{"big", big + 9, DType::kFloat32, {big, 0, 5}, DType::kFloat32},
-                              {"small", 3, DType::kFloat32, {3}, DType::kFloat32}};
+    std::vector<KeySpec> keys{{"big", big + 9, DType::kFloat32, {big, 0, 5}, DType::kFloat32, {}},
+                              {"small", 3, DType::kFloat32, {3}, DType::kFloat32, {}}};
     auto e = makeEngine(rank, world, rdv, keys);
     REQUIRE(e->layout().offsets(0).accum_numel == big + 5);
     for (uint64_t epoch = 1; epoch <= 2; ++epoch) {

@@ -26,7 +26,7 @@ using namespace odc_test;
 namespace {
 
 std::vector<KeySpec> oneKey() {
-  return {KeySpec{"layers.0", 1000, DType::kFloat32, {1000}, DType::kFloat32}};
+  return {KeySpec{"layers.0", 1000, DType::kFloat32, {1000}, DType::kFloat32, {}}};
 }
 
 int64_t nowNs() {

@@ -95,6 +95,10 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   check(cudaMalloc(&base, bytes_), rank_,
         "cudaMalloc of the " + std::to_string(bytes_) + "-byte ODC region");
   bases_[rank_] = static_cast<uint8_t*>(base);
+  own_ = std::shared_ptr<void>(base, [device = device_](void* p) {
+    DeviceGuard g(device);
+    cudaFree(p);  // at exit the context may be gone already: nothing to report then
+  });
   check(cudaMemset(base, 0, bytes_), rank_, "cudaMemset");
   check(cudaDeviceSynchronize(), rank_, "cudaDeviceSynchronize");
   cudaIpcMemHandle_t handle;
@@ -156,18 +160,15 @@ void CudaIpcTransport::close() {
                  "memory is not freed\n",
                  rank_, timeout_.count() / 1000.0);
     bases_.clear();
+    new std::shared_ptr<void>(std::move(own_));  // leaked on purpose, pins or not
     control_.close();
     return;
   }
   for (int r = 0; r < world_; ++r) {
-    if (!bases_[r]) continue;
-    if (r == rank_) {
-      cudaFree(bases_[r]);
-    } else {
-      cudaIpcCloseMemHandle(bases_[r]);
-    }
+    if (bases_[r] && r != rank_) cudaIpcCloseMemHandle(bases_[r]);
     bases_[r] = nullptr;
   }
+  own_.reset();  // freed here, or when the last tensor viewing it is freed
   bases_.clear();
   for (auto& s : side_) {
     if (s) cudaStreamDestroy(s);
@@ -522,6 +523,21 @@ void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, St
                        peerStream(peer, asStream(stream)));
 }
 
+void CudaIpcTransport::readAs(int peer, size_t offset, void* dst, size_t numel, DType from,
+                              DType to, Stream stream) {
+  if (from == to) {
+    read(peer, offset, dst, numel * elementSize(from), stream);
+    return;
+  }
+  cuda_ipc::launchReadAs(dst, at(peer, offset), numel, from, to, stop_, ctas_,
+                         peer == rank_ ? asStream(stream) : peerStream(peer, asStream(stream)));
+}
+
+std::shared_ptr<void> CudaIpcTransport::pinLocal() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return own_;
+}
+
 void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
                                   size_t /*locks_offset*/, uint64_t /*epoch*/, const void* src,
                                   size_t numel, DType dtype, double scale, Stream stream) {
@@ -531,10 +547,10 @@ void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,
 }
 
 double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t value,
-                                     size_t bytes, const std::vector<PeerRead>& reads,
-                                     Stream stream) {
+                                     size_t numel, DType from, DType to,
+                                     const std::vector<PeerRead>& reads, Stream stream) {
   if (!fused_ || reads.size() > static_cast<size_t>(cuda_ipc::kMaxPeers)) {
-    return Transport::gatherPeers(offset, flag_offset, value, bytes, reads, stream);
+    return Transport::gatherPeers(offset, flag_offset, value, numel, from, to, reads, stream);
   }
   checkDeviceErrors();
   // Every flag already waited for on this stream (the key's earlier gathers in this minibatch):
@@ -557,15 +573,15 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   }
   if (reads.empty()) return 0;
   if (!wait) {
-    cuda_ipc::launchGather(args, bytes, value, 0, nullptr, stop_, ctas_, /*wait=*/false,
-                           asStream(stream));
+    cuda_ipc::launchGather(args, numel, from, to, value, 0, nullptr, stop_, ctas_,
+                           /*wait=*/false, asStream(stream));
     return 0;
   }
   // One deadline for the operation: the earliest of its waits' (all set when it was enqueued).
   Clock::time_point deadline = reads.front().ctx.deadline;
   for (const auto& r : reads) deadline = std::min(deadline, r.ctx.deadline);
-  cuda_ipc::launchGather(args, bytes, value, deviceDeadline(deadline), error_device_, stop_, ctas_,
-                         /*wait=*/true, asStream(stream));
+  cuda_ipc::launchGather(args, numel, from, to, value, deviceDeadline(deadline), error_device_,
+                         stop_, ctas_, /*wait=*/true, asStream(stream));
   watch(asStream(stream), deadline, [&](PendingWait& w) {
     for (const auto& r : reads) {
       w.peers[w.count] = r.peer;

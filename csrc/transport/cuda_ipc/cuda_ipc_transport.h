@@ -74,10 +74,13 @@ class CudaIpcTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
+  void readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
+              Stream stream) override;
+  std::shared_ptr<void> pinLocal() override;
   void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
                   const void* src, size_t numel, DType dtype, double scale, Stream stream) override;
-  double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t bytes,
-                     const std::vector<PeerRead>& reads, Stream stream) override;
+  double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t numel, DType from,
+                     DType to, const std::vector<PeerRead>& reads, Stream stream) override;
   void pushPeers(size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
                  size_t numel, DType dtype, double scale, const std::vector<PeerPush>& pushes,
                  Stream stream) override;
@@ -144,6 +147,8 @@ class CudaIpcTransport : public Transport {
   cuda_ipc::PushMode push_mode_ = cuda_ipc::PushMode::kElement;
   std::chrono::milliseconds timeout_{0};
   size_t bytes_ = 0;
+  // The own cudaMalloc: freed at close() once no pin (pinLocal) holds it any more.
+  std::shared_ptr<void> own_;
   std::vector<uint8_t*> bases_;  // device pointers; bases_[rank_] is the own cudaMalloc
   ShmTransport control_;
   cuda_ipc::DeviceError* error_host_ = nullptr;  // mapped pinned memory

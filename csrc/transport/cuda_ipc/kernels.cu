@@ -149,6 +149,56 @@ __global__ void __launch_bounds__(512)
   for (size_t i = done + tid; i < bytes; i += stride) dst[i] = src[i];
 }
 
+// The gather of an fp32 shard cache into a 16-bit output (the sharded fp32 parameters rounded to
+// the mixed-precision dtype as they are read, round to nearest even, as torch's cast): 16-byte
+// loads of 4 floats (8 in flight per thread), 8-byte stores.
+__device__ __forceinline__ uint32_t narrowBits(float v, __nv_bfloat16*) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ uint32_t narrowBits(float v, __half*) {
+  return __half_as_ushort(__float2half_rn(v));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(512)
+    odcGatherNarrowKernel(GatherArgs a, size_t numel, const uint32_t* stop) {
+  if (blockSkips(stop)) return;
+  const int y = blockIdx.y;
+  const float* src = reinterpret_cast<const float*>(a.src[y]);
+  auto* dst = reinterpret_cast<uint16_t*>(a.dst[y]);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  size_t done = 0;
+  if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    uint2* d2 = reinterpret_cast<uint2*>(dst);
+    const size_t vecs = numel / 4;
+    constexpr int kUnroll = 8;
+    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
+      float4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * stride < vecs) v[u] = s4[base + u * stride];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * stride < vecs) {
+          uint2 o;
+          o.x = narrowBits(v[u].x, static_cast<T*>(nullptr)) |
+                (narrowBits(v[u].y, static_cast<T*>(nullptr)) << 16);
+          o.y = narrowBits(v[u].z, static_cast<T*>(nullptr)) |
+                (narrowBits(v[u].w, static_cast<T*>(nullptr)) << 16);
+          d2[base + u * stride] = o;
+        }
+      }
+    }
+    done = vecs * 4;
+  }
+  for (size_t i = done + tid; i < numel; i += stride) {
+    dst[i] = static_cast<uint16_t>(narrowBits(src[i], static_cast<T*>(nullptr)));
+  }
+}
+
 __global__ void readClockKernel(DeviceError* error) { error->clock = globalTimerNs(); }
 
 __device__ __forceinline__ void red4(float* dst, float4 v) {
@@ -394,6 +444,38 @@ void launchRead(void* dst, const void* src, size_t bytes, const uint32_t* stop, 
   check(cudaGetLastError(), "read kernel launch");
 }
 
+namespace {
+
+// The copy kernel of one gather (every entry), by the cache and output dtypes.
+void launchCopies(const GatherArgs& args, size_t numel, DType from, DType to, int ctas,
+                  const uint32_t* stop, cudaStream_t stream) {
+  constexpr int kThreads = 512;
+  const size_t src_bytes = numel * elementSize(from);
+  const dim3 grid(blocksPerEntry(ctas, args.count, src_bytes / 16, kThreads), args.count);
+  if (from == to) {
+    odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, src_bytes, stop);
+  } else if (from == DType::kFloat32 && to == DType::kBFloat16) {
+    odcGatherNarrowKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, numel, stop);
+  } else if (from == DType::kFloat32 && to == DType::kFloat16) {
+    odcGatherNarrowKernel<__half><<<grid, kThreads, 0, stream>>>(args, numel, stop);
+  } else {
+    throw OdcError(std::string("odc: cannot read a ") + dtypeName(from) + " shard cache as " +
+                   dtypeName(to));
+  }
+  check(cudaGetLastError(), "gather kernel launch");
+}
+
+}  // namespace
+
+void launchReadAs(void* dst, const void* src, size_t numel, DType from, DType to,
+                  const uint32_t* stop, int ctas, cudaStream_t stream) {
+  GatherArgs args;
+  args.src[0] = static_cast<const uint8_t*>(src);
+  args.dst[0] = static_cast<uint8_t*>(dst);
+  args.count = 1;
+  launchCopies(args, numel, from, to, ctas, stop, stream);
+}
+
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
                 const uint32_t* stop, int sm_count, cudaStream_t stream) {
   PushArgs args;
@@ -403,18 +485,16 @@ void launchPush(void* dst, const void* src, size_t numel, DType dtype, float sca
   launchPushAll(args, numel, dtype, scale, stop, 2 * sm_count, PushMode::kElement, stream);
 }
 
-void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
-                  DeviceError* error, uint32_t* stop, int ctas, bool wait, cudaStream_t stream) {
+void launchGather(const GatherArgs& args, size_t numel, DType from, DType to, uint64_t value,
+                  uint64_t deadline_ns, DeviceError* error, uint32_t* stop, int ctas, bool wait,
+                  cudaStream_t stream) {
   if (args.count == 0) return;
-  constexpr int kThreads = 512;
-  const dim3 grid(blocksPerEntry(ctas, args.count, bytes / 16, kThreads), args.count);
   if (wait) {
     odcWaitAllKernel<<<1, 32, 0, stream>>>(args, value, deadline_ns, error, stop);
     check(cudaGetLastError(), "wait kernel launch");
   }
-  if (bytes == 0) return;  // a wait only (the owners' release before a minibatch's first push)
-  odcGatherKernel<<<grid, kThreads, 0, stream>>>(args, bytes, stop);
-  check(cudaGetLastError(), "gather kernel launch");
+  if (numel == 0) return;  // a wait only (the owners' release before a minibatch's first push)
+  launchCopies(args, numel, from, to, ctas, stop, stream);
 }
 
 void launchPushAll(const PushArgs& args, size_t numel, DType dtype, float scale,

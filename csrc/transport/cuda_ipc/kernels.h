@@ -47,6 +47,9 @@ void launchWait(const uint64_t* peer_flag, uint64_t value, uint64_t deadline_ns,
 // Copies `bytes` from a peer's region (the gather copy kernel, one entry), unless a wait failed.
 void launchRead(void* dst, const void* src, size_t bytes, const uint32_t* stop, int ctas,
                 cudaStream_t stream);
+// launchRead of `numel` elements of `from` as `to`: a copy, or fp32 rounded to bf16/fp16.
+void launchReadAs(void* dst, const void* src, size_t numel, DType from, DType to,
+                  const uint32_t* stop, int ctas, cudaStream_t stream);
 // The fp32 accumulator dst[i] += scale * src[i] for i < numel (src fp32, bf16 or fp16, widened
 // in registers), with remote reductions.
 void launchPush(void* dst, const void* src, size_t numel, DType dtype, float scale,
@@ -68,11 +71,13 @@ struct PushArgs {
   int count = 0;
 };
 // A one-block kernel acquire-spins on every flag[y] >= value (until deadline_ns; on expiry
-// records slot[y] in `error`), then (bytes > 0) one kernel copies every entry's `bytes` with
-// 16-byte loads from the peers (8 in flight per thread), or nothing once a wait failed or abort is
-// set. wait=false: the copy only (every flag was already waited for earlier on this stream).
-void launchGather(const GatherArgs& args, size_t bytes, uint64_t value, uint64_t deadline_ns,
-                  DeviceError* error, uint32_t* stop, int ctas, bool wait, cudaStream_t stream);
+// records slot[y] in `error`), then (numel > 0) one kernel copies every entry's `numel`
+// elements with 16-byte loads from the peers (8 in flight per thread), rounding fp32 to `to`
+// where `from` is fp32 and `to` bf16/fp16, or nothing once a wait failed or abort is set.
+// wait=false: the copy only (every flag was already waited for earlier on this stream).
+void launchGather(const GatherArgs& args, size_t numel, DType from, DType to, uint64_t value,
+                  uint64_t deadline_ns, DeviceError* error, uint32_t* stop, int ctas, bool wait,
+                  cudaStream_t stream);
 // How a push adds into the accumulators. kElement: every thread issues 16-byte vector reductions
 // (red.v4.f32). kBulk (sm_90 only; spans 16-byte aligned and of at least one 4096-element tile,
 // otherwise kElement): blocks widen tiles into shared memory and cp.reduce.async.bulk adds each

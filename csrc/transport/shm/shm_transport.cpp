@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "engine/convert.h"
 #include "engine/wait.h"
 
 namespace torch_odc {
@@ -184,6 +185,7 @@ void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
   ::close(fd);
   if (base == MAP_FAILED) throw OdcError(sysError(me + ": mmap " + name_));
   bases_[rank_] = static_cast<uint8_t*>(base);
+  own_ = std::shared_ptr<void>(base, [bytes = bytes_](void* p) { ::munmap(p, bytes); });
   pids_[rank_] = ::getpid();
   atomic64(bases_[rank_] + layout.controlPid())->store(static_cast<uint64_t>(::getpid()));
   startLifeLock();  // held before any peer can map the region
@@ -288,10 +290,11 @@ void ShmTransport::stopLifeLock() {
 
 void ShmTransport::close() {
   stopLifeLock();  // before unmapping: the kernel marks the life lock in the mapped region
-  for (auto& b : bases_) {
-    if (b) ::munmap(b, bytes_);
-    b = nullptr;
+  for (size_t r = 0; r < bases_.size(); ++r) {
+    if (bases_[r] && static_cast<int>(r) != rank_) ::munmap(bases_[r], bytes_);
+    bases_[r] = nullptr;
   }
+  own_.reset();  // unmapped here, or when the last tensor viewing it is freed
 }
 
 uint8_t* ShmTransport::at(int peer, size_t offset) const {
@@ -321,6 +324,11 @@ void ShmTransport::waitFlag(int peer, size_t flag_offset, uint64_t value, const 
 
 void ShmTransport::read(int peer, size_t offset, void* dst, size_t bytes, Stream) {
   std::memcpy(dst, at(peer, offset), bytes);
+}
+
+void ShmTransport::readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
+                          Stream) {
+  convertInto(dst, at(peer, offset), numel, from, to);
 }
 
 void ShmTransport::accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset,

@@ -54,6 +54,9 @@ class ShmTransport : public Transport {
   void waitFlag(int peer, size_t flag_offset, uint64_t value, const WaitContext& ctx,
                 Stream stream) override;
   void read(int peer, size_t offset, void* dst, size_t bytes, Stream stream) override;
+  void readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
+              Stream stream) override;
+  std::shared_ptr<void> pinLocal() override { return own_; }
   void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
                   const void* src, size_t numel, DType dtype, double scale, Stream stream) override;
   void quiesce(Stream stream) override;
@@ -92,6 +95,7 @@ class ShmTransport : public Transport {
   std::string name_;
   std::vector<std::string> names_to_unlink_;  // own and checked peers' names until unlinked
   std::vector<uint8_t*> bases_;               // index = rank; bases_[rank_] is the own region
+  std::shared_ptr<void> own_;  // the own mapping: unmapped when close() and every pin dropped it
   std::vector<int> pids_;
   std::unique_ptr<std::atomic<bool>[]> dead_;  // peers known dead (sticky)
   // The thread that holds this rank's life lock (see above) until close().

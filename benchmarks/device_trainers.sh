@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for trainer rows on a 4-GPU host (nvidia-h200-x4 / nvidia-h100-x4): the 2-GPU
-# rows run two at a time, on GPUs 0,1 and 2,3 (each row's two variants still run one after the
+# rows run two at a time, on GPUs 0,1 and 2,3 (on a 2-GPU host one after the other) (each row's two variants still run one after the
 # other on the same pair, so a row compares like with like), then the 4-GPU rows one by one.
 # Two 2-GPU rows share the host's CPUs (64 cores) and nothing else.
 #
@@ -12,7 +12,8 @@
 # then benchmarks/bench_trl.py verl in its environment). Every run's files are packed into
 # $OUT/<trainer>_<gpus>.tgz as it ends; the rows are merged into $OUT/trainers.json and the
 # timeline into $OUT/call.log (with 4 rows, 6 files come back). BENCH_TIMEOUT: seconds per
-# row (default 280). DRY=1 prints the plan (commands) without running anything.
+# row (default 280). DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the
+# host's GPU count it assumes, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/odc_trainers}"; mkdir -p "$OUT"
@@ -72,6 +73,12 @@ PY
 }
 
 IFS=, read -r -a pairs <<< "$two"
+host_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[[ ${DRY:-0} == 1 ]] && host_gpus=${DRY_GPUS:-4}
+if (( host_gpus < 4 )); then  # a 2-GPU host: the 2-GPU rows one after the other
+  for t in "${pairs[@]}"; do row "$t" 2 0,1; done
+  pairs=()
+fi
 for ((i = 0; i < ${#pairs[@]}; i += 2)); do
   row "${pairs[i]}" 2 0,1 &
   a=$!

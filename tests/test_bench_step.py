@@ -238,9 +238,10 @@ def test_bench_step_runs_and_reports(device, tmp_path):
         # 2 microbatches, fp32 shard (n / 2 elements, dims are even: no padding), 1 peer
         assert moved["bytes_pushed"] == 2 * (n // 2) * 4, moved
         assert moved["keyed_reduce_scatters"] == 2 * 3, moved  # 2 layers + root per microbatch
-        # the peer's bf16 shard (n / 2 elements, 2 bytes) of every unit, once per microbatch
-        # in the forward and at most once more in the backward: 2 n .. 4 n bytes
-        assert 2 * n <= moved["bytes_fetched"] <= 4 * n, moved
+        # the peer's shard of every unit (n / 2 elements; its cache holds the fp32 parameters,
+        # 4 bytes, rounded to bf16 as they are read), once per microbatch in the forward and at
+        # most once more in the backward: 4 n .. 8 n bytes
+        assert 4 * n <= moved["bytes_fetched"] <= 8 * n, moved
         assert ref["gathered"]["bytes"] == moved["bytes_fetched"]
         assert ref["pushed"]["bytes"] == moved["bytes_pushed"]
         assert ref["gathered"]["calls"] == moved["keyed_gathers"] >= 6

@@ -227,12 +227,12 @@ class Handle:
             )
 
     def _publish_unpublished(self) -> None:
-        """Publishes every key this rank has not published in this minibatch: one copy of each
-        unit's shards into its published cache, exactly the bytes FSDP2's all-gather would send
-        (its all-gather input: each parameter's padded shard, cast to the param dtype; no
-        unsharded parameter is allocated and nothing is gathered), all units in one multi-tensor
-        copy on the current stream (after the optimizer step). A publish reads no peer and waits
-        for nobody, so this cannot deadlock."""
+        """Publishes every key this rank has not published in this minibatch: each unit's shard
+        cache holds the bytes its all-gather input is made of (each parameter's padded shard;
+        no unsharded parameter is allocated and nothing is gathered), then its flag is released,
+        on the current stream (after the optimizer step). Parameters that live in their cache
+        (attach moved them in) are not copied; any other is, all units in one multi-tensor copy.
+        A publish reads no peer and waits for nobody, so this cannot deadlock."""
         self._lazy_init()
         keys = range(len(self._keys))
         self._backend._publish_shards(keys, [self._shards(index) for index in keys])

@@ -25,7 +25,8 @@ class ODCConfig:
             rows, padded), so that ODC needs no more memory than the run it replaces (see
             ``_AutoCap``): the step's microbatches hold at most as many padded tokens as the
             largest microbatch the unmodified trainer would have run so far, less ODC's own
-            memory (its published shard cache) at the marginal peak bytes per token measured
+            memory beside FSDP2's (a published copy of shards where the parameters cannot live
+            in the shard cache, and control words) at the marginal peak bytes per token measured
             in the first step.
         cost: LB-Mini's cost model: ``"tokens"``, ``"flops"`` or a callable length -> cost,
             e.g. a fitted :class:`torch_odc.balance.TimeCost` (docs/balance.md).

@@ -56,7 +56,8 @@ class ODCStep:
 # step's order per microbatch (accelerate's seedable sampler, the order _StepData follows), so
 # the largest padded microbatch it would run in a step is known before the step. The derived
 # cap keeps every ODC microbatch at or below it, less the memory ODC holds beside FSDP2's (the
-# published shard cache and control words; its accumulators replace FSDP2's sharded .grad).
+# control words, and a published copy of shards where the parameters cannot live in the shard
+# cache; the cache holds the parameters themselves, and the accumulators FSDP2's sharded .grad).
 
 
 def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False,
@@ -129,7 +130,8 @@ class _AutoCap:
     ``cap(plain)``: the step's cap from ``plain``, the padded tokens of the largest microbatch
     the unmodified trainer would have run so far in the epoch (its peak memory so far). Until
     the bytes per token are known, half of ``plain`` (the first step measures them); then
-    ``plain`` less ODC's extra bytes (shard cache and control words) in tokens. On CPU ranks
+    ``plain`` less ODC's extra bytes (a published shard copy, if any, and control words) in
+    tokens. On CPU ranks
     ``plain`` itself.
 
     The measurement, over the first step's microbatches (every rank's): a microbatch's peak

@@ -13,6 +13,7 @@ from multiproc import run_ranks
 from odc_training import loss_of, samples, sharded_model
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+LR = 0.1
 
 
 def _capture(model) -> tuple[dict, list]:
@@ -89,3 +90,51 @@ def test_gathered_weights_are_fsdp2s_bit_for_bit(mp_dtype, world, reassign):
             assert torch.equal(w, mine["full"][f"{name}.weight"]), (rank, name)
         memory = mine["memory"]
         assert memory["published_cache_bytes"] == 0 and memory["parameter_bytes"] > 0, memory
+
+
+def _meta_then_materialized(rank, world, plan):
+    """fully_shard on the meta device, attach, then ``to_empty`` and the weights (torchtitan's
+    order, with attach before materializing): the shards move into the caches at the first
+    publish, and training equals the reference."""
+    from odc_training import make_model, split
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch_odc
+
+    full = make_model(False).state_dict()
+    with torch.device("meta"):
+        model = make_model(False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = torch_odc.attach(model)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for mb, counts in enumerate(plan):
+        seqs = samples(mb, sum(counts))
+        tokens = sum(s.shape[1] - 1 for s in seqs)
+        for seq in split(counts, seqs)[rank]:
+            # FSDP2 averages over ranks: scale by world to get the reference's plain mean.
+            (loss_of(model, seq) * world / tokens).backward()
+        torch_odc.minibatch_barrier()
+        opt.step()
+        opt.zero_grad()
+    memory = torch_odc.stats()[0]["memory"]
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    handle.detach()
+    return params, memory
+
+
+def test_attach_before_materializing_meta_parameters():
+    from odc_training import reference
+
+    plan = [[2, 1], [0, 3]]
+    want = reference(plan, False, LR)
+    for params, memory in run_ranks(2, _meta_then_materialized, plan):
+        assert memory["published_cache_bytes"] == 0 and memory["parameter_bytes"] > 0, memory
+        for name, ref in want.items():
+            torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-5, msg=name)

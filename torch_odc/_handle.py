@@ -259,10 +259,15 @@ class Handle:
 
     def _place_shards(self) -> None:
         """At attach: fills every shard cache, moving the sharded parameters in where it holds
-        their dtype (see `_Key.cache_dtype`); publishes nothing."""
-        keys = range(len(self._keys))
-        self._backend._publish_shards(
-            keys, [_fsdp2.all_gather_input(self._keys[i].unit)[1] for i in keys], True)
+        their dtype (see `_Key.cache_dtype`); publishes nothing. Units still on the meta device
+        (``to_empty`` after attach) move in at their first publish."""
+        keys, sources = [], []
+        for index, key in enumerate(self._keys):
+            shards = _fsdp2.all_gather_input(key.unit)[1]
+            if not any(t.is_meta for t in shards):
+                keys.append(index)
+                sources.append(shards)
+        self._backend._publish_shards(keys, sources, True)
 
     def _pre_forward(self, module, args) -> None:
         # The first forward of a minibatch publishes every shard up front. Published lazily (at

@@ -929,16 +929,15 @@ c10::weak_intrusive_ptr<c10::StorageImpl> noStorage() {
 
 }  // namespace
 
-void OdcBackend::evictLocked(Adopted& slot, c10::StorageImpl* keep, Stream stream) {
+void OdcBackend::evictLocked(Adopted& slot, Stream stream) {
   auto impl = slot.storage.lock();
   slot.storage = noStorage();
-  if (!impl || impl.get() == keep || impl->data_ptr().get() != slot.at) return;
+  if (!impl || impl->data_ptr().get() != slot.at) return;
   // The parameter leaves the cache: memory of its own from its storage's allocator (on CUDA
   // the caching allocator, on the current stream), the bytes copied over on that stream.
   c10::Allocator* allocator = impl->allocator();
   TORCH_CHECK(allocator, "odc: rank ", rank_,
-              ": a parameter living in the shard cache has no "
-              "allocator to move it back to");
+              ": a parameter living in the shard cache has no allocator to move it back to");
   c10::DataPtr fresh = allocator->allocate(slot.bytes);
   if (slot.bytes > 0) {
     if (impl->device_type() == c10::kCPU) {
@@ -999,7 +998,7 @@ void OdcBackend::fillCaches(Engine& eng, const std::vector<size_t>& todo,
       if (t.data_ptr() == here) continue;  // the parameter lives in its place
       // Whatever lived here leaves first (its bytes are about to be overwritten): FSDP2
       // replaced the parameter's storage (lazy init's re-padding, _apply).
-      evictLocked(adopted_[first + i], nullptr, stream);
+      evictLocked(adopted_[first + i], stream);
       dst.push_back(
           at::for_blob(here, {t.numel()}).options(options).target_device(on).make_tensor());
       src.push_back(t.dim() == 1 ? t : t.view({t.numel()}));
@@ -1040,7 +1039,7 @@ void OdcBackend::evictShards() {
   }
 #endif
   std::lock_guard<std::mutex> lock(adopt_mu_);
-  for (auto& slot : adopted_) evictLocked(slot, nullptr, stream);
+  for (auto& slot : adopted_) evictLocked(slot, stream);
   adopted_.clear();
 }
 

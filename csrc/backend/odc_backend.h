@@ -222,7 +222,8 @@ class OdcBackend : public c10d::Backend {
   void fillCaches(Engine& eng, const std::vector<size_t>& todo, const std::vector<void*>& caches,
                   const std::vector<size_t>& index,
                   const std::vector<std::vector<at::Tensor>>& sources, Stream stream);
-  void evictLocked(Adopted& slot, c10::StorageImpl* keep, Stream stream);
+  // Moves the storage living in `slot`'s place (if it still does) into memory of its own.
+  void evictLocked(Adopted& slot, Stream stream);
   int engine_generation_ = 0;
   int support_checks_ = 0;
 

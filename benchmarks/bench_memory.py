@@ -5,15 +5,15 @@
 Each rank trains the bench_e2e model (bf16 compute, fp32 master weights and reduction,
 activation checkpointing, AdamW) for a few minibatches of several microbatches and records
 ``torch.cuda.max_memory_allocated`` over the last minibatch and its optimizer step, and, under
-ODC, the bytes of its region by category (``torch_odc.stats()["memory"]``: published shard
-caches, accumulators, control), which lie outside the allocator.
+ODC, the bytes of its region by category (``torch_odc.stats()["memory"]``: the parameters
+living in the shard caches, published copies, accumulators, control), which lie outside the allocator.
 
 FSDP2 over NCCL runs for real when every rank has a GPU of its own. Ranks sharing one GPU (the
 1-GPU machine kinds: CUDA IPC works there, NCCL refuses) measure ODC only, and FSDP2's figure is
 accounted from the same run: ODC's allocator peak plus FSDP2's sharded fp32 gradients, which
 FSDP2 keeps in the allocator from the first microbatch's reduce-scatter to zero_grad() (so
 throughout every later microbatch's backward, where the peak is), while under ODC they are views
-of the accumulators. Everything else either side allocates (parameters, optimizer state,
+of the accumulators, plus the sharded parameters, which live in ODC's shard caches. Everything else either side allocates (parameters, optimizer state,
 all-gather and reduce-scatter buffers, activations) is the same model code on the same data.
 Writes memory_<tag>.json and .png under --out.
 """
@@ -106,12 +106,14 @@ def plot(result, path):
     region = odc["region"]
     bars = [
         ("ODC", [("allocator peak", odc["allocator_peak_bytes"]),
+                 ("parameters (shard cache)", region.get("parameter_bytes", 0)),
                  ("published cache", region["published_cache_bytes"]),
                  ("accumulators (= .grad)", region["accumulator_bytes"]),
                  ("control", region["control_bytes"])]),
         (f"FSDP2 ({fsdp2['how']})", [("allocator peak", fsdp2["allocator_peak_bytes"])]),
     ]
-    colors = {"allocator peak": "#4c72b0", "published cache": "#dd8452",
+    colors = {"allocator peak": "#4c72b0", "parameters (shard cache)": "#8172b3",
+              "published cache": "#dd8452",
               "accumulators (= .grad)": "#55a868", "control": "#c44e52"}
     for i, (name, parts) in enumerate(bars):
         bottom = 0.0
@@ -162,7 +164,7 @@ def main():
         odc = res["odc"]
         res["fsdp2"] = {"how": "accounted",
                         "allocator_peak_bytes": odc["allocator_peak_bytes"] +
-                        odc["sharded_grad_bytes"]}
+                        odc["sharded_grad_bytes"] + odc["region"].get("parameter_bytes", 0)}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, res)
     if rank == 0:

@@ -213,9 +213,9 @@ void bindBarrier(BackendClass& cls) {
              // accumulator; from_blob on CUDA would ask the driver about a pointer it never
              // allocated.
              if (numel == 0) return torch::empty({0}, options);
-             // The view holds the region's memory: a .grad kept past detach or the process
-             // group's end stays valid.
-             auto pin = e.transport().pinLocal();
+             // The view holds the accumulators' memory: a .grad kept past detach, the process
+             // group's end or free_gradient_memory() stays valid.
+             auto pin = e.transport().pinAccumulators();
              return torch::from_blob(
                  e.accumulator(key), {numel}, [pin](void*) mutable { pin.reset(); }, options);
            })
@@ -240,13 +240,34 @@ void bindBarrier(BackendClass& cls) {
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
-             auto pin = e.transport().pinLocal();
+             auto pin = e.transport().pinAccumulators();
              return torch::from_blob(
                  e.accumulator(0), {static_cast<int64_t>(bytes / torch_odc::elementSize(dtype))},
                  [pin](void*) mutable { pin.reset(); }, options);
            })
       .def("_release", &torch_odc::OdcBackend::barrierRelease, py::arg("zero") = true,
            py::call_guard<py::gil_scoped_release>())
+      .def("_free_accumulators", &torch_odc::OdcBackend::freeAccumulators,
+           py::call_guard<py::gil_scoped_release>())
+      .def("_restore_accumulators", &torch_odc::OdcBackend::restoreAccumulators,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("_accumulator_generation",
+                             [](torch_odc::OdcBackend& self) {
+                               return self.engine("accumulators")->accumulatorGeneration();
+                             })
+      .def_property_readonly("_region_span",
+                             [](torch_odc::OdcBackend& self) {
+                               // The own region proper (shard caches, flags), without the
+                               // accumulators: (address, bytes).
+                               const auto held = self.engine("region");
+                               return std::make_pair(
+                                   reinterpret_cast<uintptr_t>(held->transport().localPointer(0)),
+                                   held->layout().accumBegin());
+                             })
+      .def_property_readonly("_accumulators_resident",
+                             [](torch_odc::OdcBackend& self) {
+                               return self.engine("accumulators")->accumulatorsResident();
+                             })
       .def_property_readonly("_arrived", [](torch_odc::OdcBackend& self) {
         return self.engine("arrived")->arrived();
       });
@@ -262,7 +283,9 @@ void bindEngineStats(BackendClass& cls) {
     d["minibatch"] = e.epoch();
     // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
     // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
-    d["region_bytes"] = e.layout().bytes();
+    const auto& layout = e.layout();
+    const bool resident = e.accumulatorsResident();
+    d["region_bytes"] = layout.accumBegin() + (resident ? layout.accumRegionBytes() : 0);
     // The region by use: published shard caches, gradient accumulators (FSDP2's sharded
     // .grad are views of them after the barrier), and the rest (control words, flags, lock
     // words, alignment).
@@ -272,9 +295,10 @@ void bindEngineStats(BackendClass& cls) {
     const size_t adopted = self.adoptedBytes();
     memory["parameter_bytes"] = adopted;
     memory["published_cache_bytes"] = e.layout().cacheBytes() - adopted;
-    memory["accumulator_bytes"] = e.layout().accumBytes();
-    memory["control_bytes"] =
-        e.layout().bytes() - e.layout().cacheBytes() - e.layout().accumBytes();
+    // 0 while free_gradient_memory() has them returned.
+    memory["accumulator_bytes"] = resident ? layout.accumBytes() : 0;
+    memory["control_bytes"] = layout.accumBegin() - layout.cacheBytes() +
+                              (resident ? layout.accumRegionBytes() - layout.accumBytes() : 0);
     d["memory"] = memory;
     d["current"] = statsDict(e.currentStats());
     d["last"] = statsDict(e.lastStats());

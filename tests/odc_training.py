@@ -82,7 +82,8 @@ def sharded_model(world, device="cpu", root_without_params=False, **fsdp_kwargs)
 
 
 def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
-              sleep_in=None, device="cpu", attach=True, local_shards=False, reassign_after=None):
+              sleep_in=None, device="cpu", attach=True, local_shards=False, reassign_after=None,
+              free_memory=False):
     """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
 
     With attach=False this is plain FSDP2 over the group's backend (every rank must then run
@@ -90,7 +91,12 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     local_shards=True this rank's dim-0 shards, no collective (join them with `join_shards`).
     reassign_after=mb: after minibatch mb's step, ``load_state_dict(assign=True)`` replaces every
     parameter object (FSDP2 resets its sharded parameters) and a new optimizer takes the old
-    one's state; the stats then also say which keys push through the C++ fast path."""
+    one's state; the stats then also say which keys push through the C++ fast path.
+    free_memory=True: after each step, torch_odc.free_gradient_memory() and a forward without
+    gradients (a rollout: keyed gathers while the accumulators are out), then restore_gradient_
+    memory() after even minibatches, the engine's own restore at the first push or the barrier
+    after odd ones; the stats then say, per minibatch, whether the accumulators were returned
+    (none reported, none of this rank's accumulator segments mapped any more)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -103,7 +109,7 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     dev = next(model.parameters()).device
     handle = torch_odc.attach(model) if attach else None
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    timeline = []
+    timeline, freed = [], []
     for mb, counts in enumerate(plan):
         seqs = split(counts, samples(mb, sum(counts)))
         tokens = sum(s.shape[1] - 1 for part in seqs for s in part)
@@ -118,6 +124,14 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         timeline.append(("barrier_exit", mb, time.time()))
         opt.step()
         opt.zero_grad()
+        if free_memory:
+            torch_odc.free_gradient_memory()
+            freed.append(torch_odc.stats()[0]["memory"]["accumulator_bytes"] == 0
+                         and not accumulator_segments_mapped())
+            with torch.no_grad():
+                model(samples(mb, 1)[0][:, :-1].to(dev))
+            if mb % 2 == 0:
+                torch_odc.restore_gradient_memory()
         if mb == reassign_after:
             model.load_state_dict(model.state_dict(), assign=True)
             state = opt.state_dict()
@@ -133,10 +147,21 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         stats["fast_params_current"] = all(
             p is fp.sharded_param for k in handle._keys if k.fast_push
             for p, fp in zip(k._fast_params, k._all_fps, strict=True))
+    if free_memory:
+        stats["freed"] = freed
     if attach:
         handle.detach()
     dist.barrier()
     return full, stats, timeline
+
+
+def accumulator_segments_mapped() -> list[str]:
+    """The shared-memory accumulator segments (``/odc-...-a<generation>``) this process maps."""
+    import re
+
+    with open("/proc/self/maps") as f:
+        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in f if re.search(r"/odc-[0-9]+-[0-9]+-r[0-9]+-a[0-9]+", line)]
 
 
 def slow_peer_first_microbatch(rank, world, eager, device="cpu"):

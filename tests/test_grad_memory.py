@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
-from odc_training import loss_of, samples, sharded_model
+from odc_training import loss_of, reference, samples, sharded_model, train_odc
 
 SLEEP_S = 1.5
 
@@ -132,9 +132,8 @@ def _grads_are_accumulator_views(rank, world):
     facts["shard_numel"] = sum(p.to_local().numel() for p in model.parameters())
     facts["padded_shard_numel"] = sum(k.shard_numel for k in handle._keys)
     # The sharded parameters live in the shard caches (the region holds them, not a copy).
-    cache_lo = min(handle._backend._accumulator(i).data_ptr() for i in range(len(handle._keys)))
-    region_lo = cache_lo - stats["region_bytes"]
-    facts["params_in_region"] = all(region_lo < p.to_local().data_ptr() < cache_lo
+    region_lo, region_bytes = handle._backend._region_span
+    facts["params_in_region"] = all(region_lo < p.to_local().data_ptr() < region_lo + region_bytes
                                     for p in model.parameters())
     # detach() leaves .grad as copies and moves the parameters out (the region is freed): both
     # still readable afterwards, with their values.
@@ -195,3 +194,51 @@ def _outlive(rank, world):
 
 def test_parameters_and_grads_outlive_the_process_group_without_detach():
     assert run_ranks(2, _outlive) == [True, True]
+
+
+# Uneven microbatch counts, a rank without microbatches (it restores at its barrier), and
+# minibatches whose accumulators come back explicitly (even) or at the first push (odd).
+FREE_PLAN = [[2, 1], [1, 3], [0, 2], [3, 0]]
+
+
+def _train_freeing(rank, world, free_memory):
+    full, stats, _ = train_odc(rank, world, FREE_PLAN, False, None, True, 0.05,
+                               free_memory=free_memory)
+    return full, stats
+
+
+def test_free_gradient_memory_returns_the_accumulators_between_minibatches_exactly():
+    """free_gradient_memory() after each step: the accumulators are unmapped on every rank (their
+    shared-memory segments gone from the process) through a forward without gradients, and the
+    training is bit for bit the one that kept them, and the single-process reference's."""
+    freeing = run_ranks(2, _train_freeing, True)
+    keeping = run_ranks(2, _train_freeing, False)
+    expected = reference(FREE_PLAN, False, 0.05)
+    for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
+        assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
+        for name, value in kept.items():
+            assert torch.equal(full[name], value), name
+            torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def _free_after_a_push(rank, world):
+    import torch_odc
+
+    model = sharded_model(world, "cpu")
+    torch_odc.attach(model)
+    if rank == 0:  # its pushes sit in both ranks' accumulators now
+        loss_of(model, samples(0, world)[rank]).backward()
+    else:  # publishes what rank 0's forward reads
+        with torch.no_grad():
+            loss_of(model, samples(0, world)[rank])
+    try:
+        torch_odc.free_gradient_memory()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_free_gradient_memory_refuses_once_gradients_were_pushed_on_every_rank():
+    mine, peer = run_ranks(2, _free_after_a_push)
+    assert "rank 0: torch_odc.free_gradient_memory() in minibatch 1 after this rank pushed" in mine
+    assert "rank 1: peer rank 0 refused torch_odc.free_gradient_memory()" in peer, peer

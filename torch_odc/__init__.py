@@ -11,7 +11,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from torch_odc import _C  # noqa: F401
 from torch_odc._attach import attach
 from torch_odc._backend import BACKEND_NAME, odc_backend, register
-from torch_odc._handle import Handle, minibatch_barrier, stats
+from torch_odc._handle import (Handle, free_gradient_memory, minibatch_barrier,
+                               restore_gradient_memory, stats)
 
 register()
 
@@ -21,8 +22,10 @@ __all__ = [
     "Handle",
     "__version__",
     "attach",
+    "free_gradient_memory",
     "minibatch_barrier",
     "odc_backend",
     "register",
+    "restore_gradient_memory",
     "stats",
 ]

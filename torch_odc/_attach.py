@@ -82,6 +82,8 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         key._where = handle._where
         key.calls = _C.KeyCalls(backend, index, len(key.unit.params))
         key.set_accumulator(backend._accumulator(index))
+    handle._accumulator_generation = backend._accumulator_generation
+    for index, key in enumerate(entries):
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
             key.unit.module.set_requires_all_reduce(False, recurse=False)

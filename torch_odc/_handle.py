@@ -51,6 +51,8 @@ class Handle:
         # Whether this rank entered the minibatch in progress (released the last one's
         # gradients): at its first forward or keyed call after a barrier, or at the next barrier.
         self._entered = False
+        # The generation of the accumulators the keys view (set by attach).
+        self._accumulator_generation = None
 
     @property
     def keys(self) -> list[str]:
@@ -97,7 +99,9 @@ class Handle:
         # microbatch, or attached with eager_publish=False).
         self._publish_unpublished()
         # (2) Wait until every rank has arrived: all pushes into our accumulators have landed.
+        # (After free_gradient_memory() the engine has restored them by now.)
         b._arrive()
+        self._refresh_accumulators()
         # (3) Finalize: .grad from the accumulators. They are released (zeroed, and open to the
         # next minibatch's pushes) when this rank enters the next minibatch, after its optimizer
         # step: peers' pushes of that minibatch wait for it.
@@ -119,6 +123,32 @@ class Handle:
             _finalize(key, got_grad[index])
             _fsdp2.drop_partial_reduce_output(key.unit)
         self._barrier_done, self._stepped = True, set()
+
+    def free_gradient_memory(self) -> None:
+        """See :func:`torch_odc.free_gradient_memory`."""
+        if not self._attached:
+            return
+        self._backend._free_accumulators()
+        for key in self._keys:
+            key.drop_accumulator()
+
+    def restore_gradient_memory(self) -> None:
+        """See :func:`torch_odc.restore_gradient_memory`."""
+        if not self._attached:
+            return
+        self._backend._restore_accumulators()
+        self._refresh_accumulators()
+
+    def _refresh_accumulators(self) -> None:
+        """Views of the accumulators' current generation (the engine restores them at the first
+        push or the barrier after free_gradient_memory())."""
+        b = self._backend
+        generation = b._accumulator_generation
+        if generation == self._accumulator_generation:
+            return
+        for index, key in enumerate(self._keys):
+            key.refresh_accumulator(b._accumulator(index))
+        self._accumulator_generation = generation
 
     def _enter_minibatch(self) -> None:
         """Starts this rank's next minibatch, once, before its first keyed call (or in the
@@ -151,8 +181,8 @@ class Handle:
                 grad = _fsdp2.sharded_grad(fp)
                 if grad is None or isinstance(grad, _NoGradBeforeBarrier):
                     key.prior[index] = None
-                elif releasing and (grad is key.spans[index]
-                                    or _same_view(grad, key.spans[index])):
+                elif releasing and key.spans[index] is not None and (
+                        grad is key.spans[index] or _same_view(grad, key.spans[index])):
                     # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
                     # Across HSDP replicas the accumulators are summed, so it is kept apart.
                     key.prior[index] = (grad.clone() if self._replicate is not None else _CARRY)
@@ -356,8 +386,8 @@ class Handle:
                 grad = _fsdp2.sharded_grad(fp)
                 if isinstance(grad, _NoGradBeforeBarrier):
                     _fsdp2.set_grad(fp, None)
-                elif key.grad_numels[index] and grad is not None and _same_view(
-                        grad, key.span(index)):
+                elif (key.grad_numels[index] and grad is not None
+                      and key.span(index) is not None and _same_view(grad, key.span(index))):
                     _fsdp2.set_grad(fp, grad.clone())
             key.set_accumulator(None)
             if self._replicate is not None:
@@ -423,6 +453,29 @@ def minibatch_barrier() -> None:
     else:
         for handle in _handles:
             handle.barrier()
+
+
+def free_gradient_memory() -> None:
+    """Returns the memory of every attached model's gradient accumulators until the next
+    backward, for a phase that holds no gradients (RL generation, evaluation).
+
+    Call it on every rank (it is collective) after ``optimizer.step()`` and
+    ``optimizer.zero_grad()`` (set to None: a ``.grad`` still held keeps its memory until it is
+    dropped, and stays valid), before the next minibatch's first backward. The accumulators
+    come back, zeroed, at :func:`restore_gradient_memory` or else at every rank's first backward
+    or barrier (where the ranks then wait for each other once). Raises if this rank already
+    pushed gradients in the current minibatch: they would be lost.
+    """
+    for handle in _handles:
+        handle.free_gradient_memory()
+
+
+def restore_gradient_memory() -> None:
+    """Allocates the accumulators :func:`free_gradient_memory` returned. Collective: call it on
+    every rank where they meet anyway (before the minibatch's first backward), or leave it to
+    the first backward."""
+    for handle in _handles:
+        handle.restore_gradient_memory()
 
 
 def stats() -> list[dict]:

@@ -107,6 +107,25 @@ class _Key:
             if self.grad_numels[index]:
                 self.spans[index] = _fsdp2.shard_view(fp, accumulator, self.accum_offsets[index])
 
+    def drop_accumulator(self) -> None:
+        """free_gradient_memory(): no view of the accumulators stays here or in C++ (the
+        memory is returned once no ``.grad`` views it either)."""
+        self.set_accumulator(None)
+        if self.calls is not None:
+            self.calls.set_views([])
+
+    def refresh_accumulator(self, accumulator: torch.Tensor) -> None:
+        """The accumulators of a new generation (after free_gradient_memory())."""
+        self.set_accumulator(accumulator)
+        if self.fast_push:
+            self._set_fast_views()
+
+    def _set_fast_views(self) -> None:
+        # The barrier's .grad in C++ too, where each is the span's own view (no dtype cast).
+        if all(self.spans[i].dtype == _fsdp2.grad_dtype(self.unit.params[i])
+               for i in self._all_trainable):
+            self.calls.set_views([self.grad_view(i) for i in self._all_trainable])
+
     def grad_view(self, index: int):
         """Parameter `index`'s sharded .grad as FSDP2 sets it (a DTensor), viewing its span."""
         view = self._grad_views[index]
@@ -294,10 +313,8 @@ class _Key:
         self._fast_params = [_fsdp2.sharded_param(fp) for fp in self._all_fps]
         self.calls.set_placeholders(self._all_trainable, self._fast_params, placeholders)
         self.fast_push = True
-        # The barrier's .grad in C++ too, where each is the span's own view (no dtype cast).
-        if all(self.spans[i].dtype == _fsdp2.grad_dtype(self.unit.params[i])
-               for i in self._all_trainable):
-            self.calls.set_views([self.grad_view(i) for i in self._all_trainable])
+        if self.accumulator is not None:  # else at refresh_accumulator
+            self._set_fast_views()
 
     def disable_fast_push(self) -> None:
         if self.fast_push:

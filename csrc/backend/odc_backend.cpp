@@ -634,6 +634,13 @@ void OdcBackend::connectEngine(const std::vector<KeySpec>& keys, int device_inde
     adopted_.clear();
   }
   auto engine = std::make_unique<Engine>(rank_, size_, timeout_, std::move(transport));
+#ifdef ODC_WITH_CUDA
+  // Accumulators come back after free_gradient_memory() into memory torch's caching allocator
+  // may have cached meanwhile: a failed allocation returns the cache and tries once more.
+  if (device_index >= 0) {
+    engine->setAllocationRetry([] { c10::cuda::CUDACachingAllocator::emptyCache(); });
+  }
+#endif
   StoreRendezvous rdv(store_);
   engineCall(
       [&] { engine->connect(rdv, "odc/engine/" + std::to_string(engine_generation_++), keys); });
@@ -717,6 +724,20 @@ void OdcBackend::barrierRelease(bool zero) {
   const auto held = engine("minibatch barrier");
   auto& eng = *held;
   engineCall([&] { eng.release(barrierStream(eng), zero); });
+}
+
+void OdcBackend::freeAccumulators() {
+  OpRange range("odc::free_gradient_memory");
+  const auto held = engine("free_gradient_memory");
+  auto& eng = *held;
+  engineCall([&] { eng.freeAccumulators(barrierStream(eng)); });
+}
+
+void OdcBackend::restoreAccumulators() {
+  OpRange range("odc::restore_gradient_memory");
+  const auto held = engine("restore_gradient_memory");
+  auto& eng = *held;
+  engineCall([&] { eng.restoreAccumulators(); });
 }
 
 std::string OdcBackend::cudaTransportProblem(int device_index) {

@@ -151,6 +151,9 @@ class OdcBackend : public c10d::Backend {
   // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
   void barrierArrive();
   void barrierRelease(bool zero);
+  // Gradient memory (engine.h): collective, errors as c10::Error.
+  void freeAccumulators();
+  void restoreAccumulators();
   // Raises a device-side wait timeout of the engine connected as `generation`, if it is still
   // the connected one (a keyed CUDA Work checks at wait()).
   void checkDeviceErrors(int generation);

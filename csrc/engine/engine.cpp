@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "engine/wait.h"
 
@@ -116,7 +117,143 @@ void Engine::connect(Rendezvous& rdv, const std::string& prefix, std::vector<Key
   reads_.reserve(static_cast<size_t>(world_));
   pushes_.assign(static_cast<size_t>(world_), {});
   collectives_ = 0;
+  accum_gen_ = 0;
+  accum_resident_ = false;
   connected_ = true;
+  try {
+    restoreLocked();
+  } catch (...) {
+    connected_ = false;
+    transport_->close();
+    throw;
+  }
+}
+
+void Engine::waitWord(size_t offset, uint64_t value, const std::string& what) {
+  for (int i = 1; i < world_; ++i) {
+    const int peer = (rank_ + i) % world_;
+    const auto ctx = context([this, peer, &what] {
+      return "peer rank " + std::to_string(peer) + " to " + what + " (minibatch " +
+             std::to_string(epoch_) + ")";
+    });
+    hostWait([&] { return transport_->loadControl(peer, offset) >= value; },
+             [&] { return transport_->peerAlive(peer); }, ctx,
+             ("odc: rank " + std::to_string(rank_)).c_str());
+  }
+}
+
+void Engine::freeAccumulators(Stream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!connected_) {
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": free_gradient_memory before attach");
+  }
+  freeLocked(stream);
+}
+
+void Engine::freeLocked(Stream stream) {
+  if (!accum_resident_) return;
+  if (current_.keyed_reduce_scatters > 0) {
+    // Peers' pushes of this minibatch may sit in our accumulators, ours in theirs: dropping
+    // them would lose gradients. Peers that wait for this rank are told by its closed word.
+    transport_->storeControl(layout_.controlAccumClosed(), ~uint64_t{0});
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": torch_odc.free_gradient_memory() in minibatch " + std::to_string(epoch_) +
+                   " after this rank pushed gradients in it: free the gradient memory only "
+                   "between the minibatch barrier (and the optimizer step) and the next "
+                   "backward, on every rank");
+  }
+  transport_->quiesce(stream);
+  transport_->closePeerAccumulators();
+  transport_->storeControl(layout_.controlAccumClosed(), accum_gen_);
+  waitWord(layout_.controlAccumClosed(), accum_gen_,
+           "free its gradient memory (torch_odc.free_gradient_memory(), every rank, between "
+           "the barrier and the next backward)");
+  for (int i = 1; i < world_; ++i) {
+    const int peer = (rank_ + i) % world_;
+    if (transport_->loadControl(peer, layout_.controlAccumClosed()) == ~uint64_t{0}) {
+      // It still maps ours: keep them (its pushes may be in them); nothing can go on.
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                     " refused torch_odc.free_gradient_memory() in "
+                     "minibatch " +
+                     std::to_string(epoch_) +
+                     " (it had pushed gradients in it); this minibatch cannot complete");
+    }
+  }
+  transport_->dropAccumulators();
+  accum_resident_ = false;
+}
+
+void Engine::restoreAccumulators() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!connected_) {
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": restore_gradient_memory before attach");
+  }
+  restoreLocked();
+}
+
+void Engine::restoreLocked() {
+  if (accum_resident_) return;
+  const uint64_t gen = accum_gen_ + 1;
+  std::string blob;
+  try {
+    blob = transport_->createAccumulators(gen);
+  } catch (const OdcError&) {
+    if (!alloc_retry_) throw;
+    alloc_retry_();
+    blob = transport_->createAccumulators(gen);
+  }
+  if (blob.size() > RegionLayout::kAccumBlobBytes) {
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": the " + transport_->name() +
+                   " transport's accumulator description is " + std::to_string(blob.size()) +
+                   " bytes long");
+  }
+  const size_t words = (blob.size() + sizeof(uint64_t) - 1) / sizeof(uint64_t);
+  std::string padded = blob;
+  padded.resize(words * sizeof(uint64_t), '\0');
+  const size_t at = layout_.controlAccumBlob();
+  transport_->storeControl(at, blob.size());
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t v = 0;
+    std::memcpy(&v, padded.data() + w * sizeof(uint64_t), sizeof v);
+    transport_->storeControl(at + (w + 1) * sizeof(uint64_t), v);
+  }
+  accum_gen_ = gen;
+  transport_->storeControl(layout_.controlAccumGen(), gen);  // after the blob (release)
+  waitWord(layout_.controlAccumGen(), gen,
+           "allocate its gradient memory (torch_odc.restore_gradient_memory(), or its first "
+           "backward or barrier after torch_odc.free_gradient_memory())");
+  for (int i = 1; i < world_; ++i) {
+    const int peer = (rank_ + i) % world_;
+    const size_t bytes = transport_->loadControl(peer, at);
+    if (bytes > RegionLayout::kAccumBlobBytes) {
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                     " described its accumulators in " + std::to_string(bytes) + " bytes");
+    }
+    std::string theirs((bytes + sizeof(uint64_t) - 1) / sizeof(uint64_t) * sizeof(uint64_t), '\0');
+    for (size_t w = 0; w * sizeof(uint64_t) < theirs.size(); ++w) {
+      const uint64_t v = transport_->loadControl(peer, at + (w + 1) * sizeof(uint64_t));
+      std::memcpy(theirs.data() + w * sizeof(uint64_t), &v, sizeof v);
+    }
+    theirs.resize(bytes);
+    transport_->openAccumulators(peer, theirs);
+  }
+  // Nobody may allocate the next generation (overwriting its description) before every rank
+  // mapped this one; then a transport may forget what named it.
+  transport_->storeControl(layout_.controlAccumOpened(), gen);
+  waitWord(layout_.controlAccumOpened(), gen, "map every rank's gradient memory");
+  transport_->accumulatorsOpened();
+  accum_resident_ = true;
+}
+
+bool Engine::accumulatorsResident() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return accum_resident_;
+}
+
+uint64_t Engine::accumulatorGeneration() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return accum_gen_;
 }
 
 size_t Engine::keyIndex(const std::string& name) const {
@@ -313,6 +450,7 @@ void Engine::push(size_t key, const void* in, size_t in_numel, DType dtype, doub
     fail("got " + std::to_string(in_numel) + " elements, but its " + std::to_string(order->size()) +
          " parameters need world size " + std::to_string(world_) + " x " + std::to_string(chunk));
   }
+  if (!accum_resident_) restoreLocked();  // the first push after free_gradient_memory()
   ++current_.keyed_reduce_scatters;
   waitOwnersReady(key, stream);
   const size_t esize = elementSize(dtype);
@@ -440,6 +578,7 @@ void Engine::arrive(Stream stream, const std::function<void(Phase, bool)>& trace
                      "does)");
     }
   }
+  if (!accum_resident_) restoreLocked();  // a rank that pushed nothing since the free
   if (trace) trace(Phase::kArriveWaitDevice, true);
   const auto t_device = Clock::now();
   transport_->quiesce(stream);  // every push of this rank has landed
@@ -500,6 +639,13 @@ std::vector<bool> Engine::gradParams(size_t key) {
 
 void* Engine::accumulator(size_t key) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!accum_resident_) {
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": the gradient accumulators of "
+                   "minibatch " +
+                   std::to_string(epoch_) +
+                   " were freed (torch_odc.free_gradient_memory()) and not restored yet");
+  }
   return transport_->localPointer(layout_.offsets(key).accum);
 }
 
@@ -509,7 +655,8 @@ void Engine::release(Stream stream, bool zero) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": barrier release of minibatch " +
                    std::to_string(epoch_) + " without arrive");
   }
-  if (zero && layout_.numKeys() > 0) {  // the accumulators lie back to back: one zeroing
+  // Freed accumulators come back zeroed: nothing to zero.
+  if (zero && accum_resident_ && layout_.numKeys() > 0) {  // back to back: one zeroing
     const size_t first = layout_.offsets(0).accum;
     const size_t last = layout_.numKeys() - 1;
     transport_->zeroLocal(

@@ -23,6 +23,17 @@
 //    rank's next-minibatch pushes never land in an accumulator that its owner's optimizer step
 //    still reads. Shard caches need no such wait: every read of epoch e was complete before
 //    its reader arrived, hence before anyone passed arrive(e) and could republish.
+// Gradient memory (freeAccumulators / restoreAccumulators): the accumulators are one allocation
+// per generation, apart from the region, so that a trainer that holds no gradients between
+// minibatches (RL generation after zero_grad()) holds no accumulators either:
+//  - free (every rank, when no rank has pushed in the current minibatch: after the barrier and
+//    the optimizer step, or before the first backward): quiesce, unmap every peer's
+//    accumulators, closed := gen, wait until every rank's closed reached gen (nobody maps ours
+//    any more), drop the own reference. The memory is freed once no gradient view pins it.
+//  - restore (every rank; explicitly, or at its first push or arrival of a minibatch): allocate
+//    generation gen + 1 zeroed, describe it in the control words, gen := gen + 1, wait until
+//    every rank's gen reached it, map every peer's, then opened := gen and wait for every
+//    rank's (a transport may then forget names). A push or arrival never runs on freed memory.
 // Why no wait deadlocks: a gather in epoch e waits only for a peer's publish in epoch e, which
 // the peer makes at its first gather of the key or, at the latest, before it arrives at the
 // barrier (the caller publishes every unpublished key first, in key order); a push waits only
@@ -120,6 +131,16 @@ class Engine {
   void release(Stream stream, bool zero = true);
   // Whether arrive() ran and release() has not yet (the gradients of this epoch are final).
   bool arrived() const;
+  // Gradient memory (see above). Collective; free refuses once this rank pushed in the current
+  // minibatch. Both are no-ops when the accumulators already are as asked.
+  void freeAccumulators(Stream stream);
+  void restoreAccumulators();
+  bool accumulatorsResident() const;
+  // The generation of the own accumulators (views made of an older one are stale).
+  uint64_t accumulatorGeneration() const;
+  // Called once before retrying an accumulator allocation that failed (e.g. to return the
+  // memory a caching allocator holds).
+  void setAllocationRetry(std::function<void()> retry) { alloc_retry_ = std::move(retry); }
 
   EngineStats lastStats() const;
   EngineStats totalStats() const;
@@ -132,6 +153,11 @@ class Engine {
   void waitAll(size_t control_offset, const char* phase, bool check_collectives);
   std::string collectivesMismatch(int peer, uint64_t mine, uint64_t theirs) const;
   void waitOwnersReady(size_t key, Stream stream);
+  void freeLocked(Stream stream);
+  void restoreLocked();
+  // Waits until every peer's control word at `offset` is >= value; `what` completes "peer rank
+  // N to ..." in the error.
+  void waitWord(size_t offset, uint64_t value, const std::string& what);
   WaitContext context(std::function<std::string()> describe) const;
 
   const int rank_;
@@ -149,6 +175,9 @@ class Engine {
   std::vector<uint64_t> gather_waited_;
   std::vector<Stream> gather_stream_;
   std::vector<uint64_t> pushed_bits_;  // parameters this rank pushed in this epoch (bitmap)
+  uint64_t accum_gen_ = 0;             // generation of the own accumulators
+  bool accum_resident_ = false;        // they are allocated and every peer's is mapped
+  std::function<void()> alloc_retry_;
   // Per key: its trainable parameters in key order, and their spans merged into runs (what a
   // push of every trainable parameter, the common case, uses without building them per call).
   struct Run {

@@ -1,5 +1,7 @@
 #include "engine/layout.h"
 
+#include <algorithm>
+
 namespace torch_odc {
 
 namespace {
@@ -39,17 +41,18 @@ RegionLayout::RegionLayout(std::vector<KeySpec> keys) : keys_(std::move(keys)) {
     off = alignUp(off + keys_[k].cacheBytes(), kAlign);
     cache_bytes_ += keys_[k].cacheBytes();
   }
+  accum_begin_ = off;
   for (size_t k = 0; k < keys_.size(); ++k) {
     offsets_[k].accum = off;
     off = alignUp(off + keys_[k].accumBytes(), kAlign);
     accum_bytes_ += keys_[k].accumBytes();
   }
-  bytes_ = off;
+  bytes_ = std::max(off, accum_begin_ + kAlign);
 }
 
 RegionLayout RegionLayout::controlOnly() const {
   RegionLayout out;
-  out.bytes_ = out.control_bytes_ = control_bytes_;
+  out.bytes_ = out.control_bytes_ = out.accum_begin_ = control_bytes_;
   out.num_params_ = num_params_;
   return out;
 }

@@ -12,7 +12,10 @@
 //               (cache dtype fp32 under bf16/fp16 mixed precision) the fp32 sharded parameters
 //               themselves, which readers round to the gather dtype as they copy
 //   accums    : per key: this rank's gradient accumulator (fp32; fp64 for fp64 models), one
-//               span per trainable parameter, added into by every pusher
+//               span per trainable parameter, added into by every pusher. The accumulators are
+//               a separate allocation (offsets from accumBegin() on address it), made anew for
+//               each generation: free_gradient_memory() returns it between minibatches, and
+//               the next generation is allocated zeroed (Engine::freeAccumulators).
 #pragma once
 
 #include <cstddef>
@@ -85,6 +88,16 @@ class RegionLayout {
   size_t controlLife() const { return 3 * kAlign; }
   // Cumulative count of this rank's collectives outside keyed calls since connect.
   size_t controlCollectives() const { return 4 * kAlign; }
+  // The generation of accumulators this rank has allocated (and described in its blob), and
+  // the generation of its peers' accumulators it has unmapped (Engine::freeAccumulators).
+  size_t controlAccumGen() const { return 5 * kAlign; }
+  size_t controlAccumClosed() const { return 5 * kAlign + sizeof(uint64_t); }
+  // The generation of every peer's accumulators this rank has mapped.
+  size_t controlAccumOpened() const { return 5 * kAlign + 2 * sizeof(uint64_t); }
+  // What a peer needs to map this rank's accumulators (a shared-memory name, a CUDA IPC
+  // handle): a length word, then up to kAccumBlobBytes bytes.
+  static constexpr size_t kAccumBlobBytes = 2 * kAlign - sizeof(uint64_t);
+  size_t controlAccumBlob() const { return 6 * kAlign; }
   // What this rank reported when it arrived at the barrier of a minibatch of this parity (epoch %
   // 2): its collectives count, then the bitmap (bit p: parameter p over all keys, in key order,
   // got a gradient from its pushes). Written before `arrived`, read by peers after it. Two
@@ -92,7 +105,7 @@ class RegionLayout {
   // (no rank waits for the others between arrive and its next minibatch any more), but not at
   // e+2 before every peer arrived at e+1, which each does only after reading e.
   size_t controlArrivalCollectives(uint64_t epoch) const {
-    return 5 * kAlign + (epoch % 2) * arrivalReportBytes();
+    return 8 * kAlign + (epoch % 2) * arrivalReportBytes();
   }
   size_t controlPushedBits(uint64_t epoch) const {
     return controlArrivalCollectives(epoch) + sizeof(uint64_t);
@@ -109,6 +122,10 @@ class RegionLayout {
   // (control words, flags, lock words, alignment).
   size_t cacheBytes() const { return cache_bytes_; }
   size_t accumBytes() const { return accum_bytes_; }
+  // Where the accumulators begin: the region proper is [0, accumBegin()), the accumulators'
+  // allocation [accumBegin(), bytes()) (at least kAlign bytes, so that it always exists).
+  size_t accumBegin() const { return accum_begin_; }
+  size_t accumRegionBytes() const { return bytes_ - accum_begin_; }
   // Bytes of the control words: a transport that keeps them apart (CUDA IPC) sizes them so.
   size_t controlBytes() const { return control_bytes_; }
   size_t numParams() const { return num_params_; }
@@ -127,6 +144,7 @@ class RegionLayout {
   size_t bytes_ = 0;
   size_t control_bytes_ = 0;
   size_t ready_flag_ = 0;
+  size_t accum_begin_ = 0;
   size_t cache_bytes_ = 0;
   size_t accum_bytes_ = 0;
   size_t num_params_ = 0;

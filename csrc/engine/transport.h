@@ -37,9 +37,27 @@ class Transport {
   // (pinLocal) is held.
   virtual void close() = 0;
   // A reference that keeps the own region's memory allocated (not its mapping by peers) after
-  // close(), for tensors that view it (the sharded parameters a shard cache holds, the
-  // gradient views of the accumulators); null if the transport cannot.
+  // close(), for tensors that view it (the sharded parameters a shard cache holds); null if the
+  // transport cannot.
   virtual std::shared_ptr<void> pinLocal() { return nullptr; }
+
+  // ---- the accumulators: one allocation per generation, addressed by the offsets from
+  // layout.accumBegin() on (engine.h, "Gradient memory"); connect() maps none ----
+  // Allocates this rank's accumulators of generation `gen` (accumRegionBytes(), zeroed, the
+  // zeroing complete on return) and returns what a peer needs to map them (at most
+  // RegionLayout::kAccumBlobBytes bytes).
+  virtual std::string createAccumulators(uint64_t gen) = 0;
+  // Maps peer `peer`'s accumulators from the blob its createAccumulators returned.
+  virtual void openAccumulators(int peer, const std::string& blob) = 0;
+  // Unmaps every peer's accumulators (nothing of this rank may still be pushing into them).
+  virtual void closePeerAccumulators() = 0;
+  // Drops this rank's reference to its own accumulators (after every peer closed them): their
+  // memory is freed once no pin (pinAccumulators) holds it.
+  virtual void dropAccumulators() = 0;
+  // Every rank has mapped every rank's accumulators of the current generation.
+  virtual void accumulatorsOpened() {}
+  // Like pinLocal(), for the own accumulators of the current generation (the gradient views).
+  virtual std::shared_ptr<void> pinAccumulators() { return nullptr; }
 
   // ---- data path (ordered on `stream`) ----
   // Copies local memory into the own region (the shard cache fill).

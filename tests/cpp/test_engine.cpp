@@ -266,6 +266,51 @@ TEST(Engine, APushWaitsUntilItsOwnerReleasedTheLastMinibatch) {
   }));
 }
 
+TEST(Engine, FreedAccumulatorsComeBackZeroedAtTheFirstPushOrBarrierAndLeaveNothingMapped) {
+  // Minibatch 1: every rank pushes; after the barrier each frees its accumulators (the engine's
+  // own view is refused, no segment of generation 1 is mapped or named any more). Minibatch 2:
+  // ranks 0 and 1 push (each restores at its first push), rank 2 pushes nothing (it restores at
+  // its barrier): the sums are exactly minibatch 2's, so the new accumulators started at zero.
+  const int world = 3;
+  expectAllOk(runRanks(world, [world](int rank, Rendezvous& rdv) {
+    auto e = makeEngine(rank, world, rdv, twoKeys());
+    const std::string segment = dynamic_cast<ShmTransport&>(e->transport()).regionName() + "-a1";
+    std::vector<float> a(1000), b(37);
+    const auto minibatch_end = [&] {
+      e->publish(0, a.data(), a.size() * 4, DType::kFloat32, nullptr);
+      e->publish(1, b.data(), b.size() * 4, DType::kFloat32, nullptr);
+      e->arrive(nullptr);
+    };
+    std::vector<float> in(1000 * world, static_cast<float>(rank + 1));
+    e->push(0, in.data(), in.size(), DType::kFloat32, 1.0, {}, nullptr);
+    minibatch_end();
+    REQUIRE(static_cast<const float*>(e->accumulator(0))[999] == 6.0f);
+    REQUIRE(e->accumulatorGeneration() == 1);
+    e->freeAccumulators(nullptr);
+    REQUIRE(!e->accumulatorsResident());
+    bool refused = false;
+    try {
+      e->accumulator(0);
+    } catch (const OdcError& err) {
+      refused = std::string(err.what()).find("were freed") != std::string::npos;
+    }
+    REQUIRE(refused);
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    bool mapped = false;
+    while (std::getline(maps, line)) mapped = mapped || line.find("-a1") != std::string::npos;
+    REQUIRE(!mapped);
+    REQUIRE(!fs::exists("/dev/shm" + segment));
+    e->release(nullptr);
+    if (rank < 2) e->push(0, in.data(), in.size(), DType::kFloat32, 1.0, {}, nullptr);
+    minibatch_end();
+    REQUIRE(e->accumulatorGeneration() == 2);
+    const auto* acc = static_cast<const float*>(e->accumulator(0));
+    for (size_t i = 0; i < 1000; ++i) REQUIRE(acc[i] == 3.0f);
+    e->release(nullptr);
+  }));
+}
+
 TEST(Engine, DifferentCollectiveCountsFailAtTheBarrierNamingTheLastOne) {
   const auto results = runRanks(2, [](int rank, Rendezvous& rdv) {
     auto e = makeEngine(rank, 2, rdv, twoKeys());

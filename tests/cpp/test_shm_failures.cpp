@@ -236,7 +236,7 @@ std::string makeSegment(const std::string& name, mode_t mode, size_t bytes, uid_
 }  // namespace
 
 TEST(ShmConnect, SpoofedPeerSegmentsAreRefusedAndNothingIsLeft) {
-  const size_t bytes = RegionLayout(oneKey()).bytes();
+  const size_t bytes = RegionLayout(oneKey()).accumBegin();
   const std::string pid = std::to_string(::getpid());
   auto err = connectAgainstFakeRank0([&](const std::string& tok) {
     return makeSegment("/odc-" + tok + "-" + pid + "-r0", 0644, bytes, ::geteuid());

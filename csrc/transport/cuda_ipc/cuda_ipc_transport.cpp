@@ -54,7 +54,10 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
                                const RegionLayout& layout, std::chrono::milliseconds timeout) {
   DeviceGuard guard(device_);
   timeout_ = timeout;
-  bytes_ = layout.bytes();
+  bytes_ = layout.accumBegin();
+  accum_begin_ = layout.accumBegin();
+  acc_bytes_ = layout.accumRegionBytes();
+  acc_bases_.assign(static_cast<size_t>(world_), nullptr);
   const std::string problem =
       supportProblem(rank_, world_, device_, rdv, prefix + "/support", timeout);
   if (!problem.empty()) {
@@ -160,15 +163,22 @@ void CudaIpcTransport::close() {
                  "memory is not freed\n",
                  rank_, timeout_.count() / 1000.0);
     bases_.clear();
-    new std::shared_ptr<void>(std::move(own_));  // leaked on purpose, pins or not
+    acc_bases_.clear();
+    new std::shared_ptr<void>(std::move(own_));      // leaked on purpose, pins or not
+    new std::shared_ptr<void>(std::move(acc_own_));  // (the accumulators too)
     control_.close();
     return;
   }
   for (int r = 0; r < world_; ++r) {
     if (bases_[r] && r != rank_) cudaIpcCloseMemHandle(bases_[r]);
     bases_[r] = nullptr;
+    if (r < static_cast<int>(acc_bases_.size()) && acc_bases_[r] && r != rank_) {
+      cudaIpcCloseMemHandle(acc_bases_[r]);
+    }
   }
-  own_.reset();  // freed here, or when the last tensor viewing it is freed
+  acc_bases_.clear();
+  acc_own_.reset();  // freed here, or when the last gradient view is freed
+  own_.reset();      // freed here, or when the last tensor viewing it is freed
   bases_.clear();
   for (auto& s : side_) {
     if (s) cudaStreamDestroy(s);
@@ -421,6 +431,16 @@ bool CudaIpcTransport::drain(Clock::time_point deadline, bool raise_errors) {
 }
 
 uint8_t* CudaIpcTransport::at(int peer, size_t offset) const {
+  if (offset >= accum_begin_ && acc_bytes_ > 0) {
+    uint8_t* acc = acc_bases_.at(static_cast<size_t>(peer));
+    if (!acc) {
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": the gradient accumulators of rank " +
+                     std::to_string(peer) +
+                     " are not mapped (freed by torch_odc.free_gradient_memory(), or the "
+                     "transport closed)");
+    }
+    return acc + (offset - accum_begin_);
+  }
   uint8_t* base = bases_.at(static_cast<size_t>(peer));
   if (!base) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": region of rank " +
@@ -536,6 +556,76 @@ void CudaIpcTransport::readAs(int peer, size_t offset, void* dst, size_t numel, 
 std::shared_ptr<void> CudaIpcTransport::pinLocal() {
   std::lock_guard<std::mutex> lock(mu_);
   return own_;
+}
+
+std::shared_ptr<void> CudaIpcTransport::pinAccumulators() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return acc_own_;
+}
+
+std::string CudaIpcTransport::createAccumulators(uint64_t /*gen*/) {
+  DeviceGuard guard(device_);
+  dropAccumulators();
+  void* base = nullptr;
+  const cudaError_t err = cudaMalloc(&base, acc_bytes_);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: a retry may succeed
+    throw OdcError("odc: rank " + std::to_string(rank_) + ": cudaMalloc of the " +
+                   std::to_string(acc_bytes_) +
+                   "-byte gradient accumulators: " + cudaGetErrorString(err));
+  }
+  std::shared_ptr<void> own(base, [device = device_](void* p) {
+    DeviceGuard g(device);
+    cudaFree(p);  // at exit the context may be gone already: nothing to report then
+  });
+  // Zeroed before any peer can learn the handle (the engine publishes it after this returns).
+  check(cudaMemsetAsync(base, 0, acc_bytes_, ctl_stream_), rank_, "cudaMemsetAsync");
+  check(cudaStreamSynchronize(ctl_stream_), rank_, "cudaStreamSynchronize");
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, base), rank_, "cudaIpcGetMemHandle");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    acc_own_ = std::move(own);
+    acc_bases_[rank_] = static_cast<uint8_t*>(base);
+  }
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof handle);
+}
+
+void CudaIpcTransport::openAccumulators(int peer, const std::string& blob) {
+  DeviceGuard guard(device_);
+  if (blob.size() != sizeof(cudaIpcMemHandle_t)) {
+    throw OdcError("odc: rank " + std::to_string(rank_) +
+                   ": bad accumulator IPC handle from rank " + std::to_string(peer));
+  }
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, blob.data(), sizeof handle);
+  void* p = nullptr;
+  check(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), rank_,
+        "cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s gradient accumulators");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (acc_bases_[peer]) cudaIpcCloseMemHandle(acc_bases_[peer]);
+  acc_bases_[peer] = static_cast<uint8_t*>(p);
+}
+
+void CudaIpcTransport::closePeerAccumulators() {
+  DeviceGuard guard(device_);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int r = 0; r < static_cast<int>(acc_bases_.size()); ++r) {
+    if (r == rank_ || !acc_bases_[r]) continue;
+    check(cudaIpcCloseMemHandle(acc_bases_[r]), rank_,
+          "cudaIpcCloseMemHandle of rank " + std::to_string(r) + "'s gradient accumulators");
+    acc_bases_[r] = nullptr;
+  }
+}
+
+void CudaIpcTransport::dropAccumulators() {
+  std::shared_ptr<void> own;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!acc_bases_.empty()) acc_bases_[rank_] = nullptr;
+    own = std::move(acc_own_);
+  }
+  own.reset();  // freed here (outside the lock), or when the last gradient view is freed
 }
 
 void CudaIpcTransport::accumulate(int peer, size_t accum_offset, size_t elem,

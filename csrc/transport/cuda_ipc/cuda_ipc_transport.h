@@ -1,7 +1,9 @@
 // CUDA IPC transport for GPUs of one host.
 //
-// Each rank cudaMallocs one device region (shard caches, accumulators, epoch flags), exports it
-// once with cudaIpcGetMemHandle, and opens every peer's handle once (cached until close). The
+// Each rank cudaMallocs one device region (shard caches, epoch flags), exports it once with
+// cudaIpcGetMemHandle, and opens every peer's handle once (cached until close). Its gradient
+// accumulators are a cudaMalloc of their own per generation, exported and opened alike, closed
+// and freed by free_gradient_memory() (engine.h, "Gradient memory"). The
 // barrier's control words live in a small host shared-memory region (ShmTransport), so the
 // host barrier never touches device memory.
 //
@@ -77,6 +79,11 @@ class CudaIpcTransport : public Transport {
   void readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
               Stream stream) override;
   std::shared_ptr<void> pinLocal() override;
+  std::string createAccumulators(uint64_t gen) override;
+  void openAccumulators(int peer, const std::string& blob) override;
+  void closePeerAccumulators() override;
+  void dropAccumulators() override;
+  std::shared_ptr<void> pinAccumulators() override;
   void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
                   const void* src, size_t numel, DType dtype, double scale, Stream stream) override;
   double gatherPeers(size_t offset, size_t flag_offset, uint64_t value, size_t numel, DType from,
@@ -150,6 +157,12 @@ class CudaIpcTransport : public Transport {
   // The own cudaMalloc: freed at close() once no pin (pinLocal) holds it any more.
   std::shared_ptr<void> own_;
   std::vector<uint8_t*> bases_;  // device pointers; bases_[rank_] is the own cudaMalloc
+  // The accumulators (offsets from accum_begin_ on): one cudaMalloc per generation, exported
+  // by its IPC handle (engine.h, "Gradient memory"); acc_own_ frees it once no pin holds it.
+  size_t accum_begin_ = 0;
+  size_t acc_bytes_ = 0;
+  std::vector<uint8_t*> acc_bases_;
+  std::shared_ptr<void> acc_own_;
   ShmTransport control_;
   cuda_ipc::DeviceError* error_host_ = nullptr;  // mapped pinned memory
   cuda_ipc::DeviceError* error_device_ = nullptr;

@@ -158,7 +158,10 @@ void ShmTransport::connect(Rendezvous& rdv, const std::string& prefix, const Reg
 void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
                                const RegionLayout& layout) {
   layout_ = layout;
-  bytes_ = layout.bytes();
+  bytes_ = layout.accumBegin();
+  accum_begin_ = layout.accumBegin();
+  acc_bytes_ = layout.accumRegionBytes();
+  acc_bases_.assign(static_cast<size_t>(world_), nullptr);
   const std::string me = "odc: rank " + std::to_string(rank_);
   // A name no other job on this host uses: the job token (from rank 0) plus pid and rank.
   std::string token;
@@ -171,6 +174,8 @@ void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
   }
   token = token.substr(0, 16);
   name_ = "/odc-" + token + "-" + std::to_string(::getpid()) + "-r" + std::to_string(rank_);
+  peer_names_.assign(static_cast<size_t>(world_), std::string());
+  peer_names_[static_cast<size_t>(rank_)] = name_;
   const int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw OdcError(sysError(me + ": shm_open " + name_));
   names_to_unlink_.push_back(name_);
@@ -240,6 +245,7 @@ void ShmTransport::mapPeer(int r, const std::string& token, const std::string& p
     throw OdcError(refuse + problem + advice);
   }
   names_to_unlink_.push_back(peer_name);
+  peer_names_.at(static_cast<size_t>(r)) = peer_name;
   void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
   ::close(pfd);
   if (p == MAP_FAILED) throw OdcError(sysError(refuse + "mmap"));
@@ -288,7 +294,80 @@ void ShmTransport::stopLifeLock() {
   life_thread_.join();
 }
 
+std::string ShmTransport::createAccumulators(uint64_t gen) {
+  const std::string me = "odc: rank " + std::to_string(rank_);
+  dropAccumulators();
+  const std::string name = name_ + "-a" + std::to_string(gen);
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw OdcError(sysError(me + ": shm_open " + name));
+  acc_name_ = name;
+  if (::ftruncate(fd, static_cast<off_t>(acc_bytes_)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    acc_name_.clear();
+    errno = err;
+    throw OdcError(sysError(me + ": ftruncate " + name + " to " + std::to_string(acc_bytes_) +
+                            " bytes of gradient accumulators (is /dev/shm large enough?)"));
+  }
+  void* base = ::mmap(nullptr, acc_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::shm_unlink(name.c_str());
+    acc_name_.clear();
+    throw OdcError(sysError(me + ": mmap " + name));
+  }
+  acc_bases_[rank_] = static_cast<uint8_t*>(base);  // a new segment reads as zeros
+  acc_own_ = std::shared_ptr<void>(base, [bytes = acc_bytes_](void* p) { ::munmap(p, bytes); });
+  return name;
+}
+
+void ShmTransport::openAccumulators(int peer, const std::string& blob) {
+  const std::string refuse = "odc: rank " + std::to_string(rank_) + ": refusing peer rank " +
+                             std::to_string(peer) + "'s gradient accumulators '" + blob + "': ";
+  // The name the peer's createAccumulators makes: its (checked) region name, "-a", digits.
+  const std::string head = peerName(peer) + "-a";
+  if (blob.size() <= head.size() || blob.compare(0, head.size(), head) != 0 ||
+      blob.find_first_not_of("0123456789", head.size()) != std::string::npos) {
+    throw OdcError(refuse + "not a name that rank makes");
+  }
+  const int fd = ::shm_open(blob.c_str(), O_RDWR | O_NOFOLLOW, 0);
+  if (fd < 0) throw OdcError(sysError(refuse + "shm_open"));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600 ||
+      !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != acc_bytes_) {
+    ::close(fd);
+    throw OdcError(refuse + "not a 0600 segment of this user with " + std::to_string(acc_bytes_) +
+                   " bytes");
+  }
+  void* p = ::mmap(nullptr, acc_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw OdcError(sysError(refuse + "mmap"));
+  if (acc_bases_[peer]) ::munmap(acc_bases_[peer], acc_bytes_);
+  acc_bases_[peer] = static_cast<uint8_t*>(p);
+}
+
+void ShmTransport::accumulatorsOpened() {
+  if (!acc_name_.empty()) ::shm_unlink(acc_name_.c_str());
+  acc_name_.clear();
+}
+
+void ShmTransport::closePeerAccumulators() {
+  for (int r = 0; r < static_cast<int>(acc_bases_.size()); ++r) {
+    if (r != rank_ && acc_bases_[r]) ::munmap(acc_bases_[r], acc_bytes_);
+    if (r != rank_) acc_bases_[r] = nullptr;
+  }
+}
+
+void ShmTransport::dropAccumulators() {
+  accumulatorsOpened();
+  if (!acc_bases_.empty()) acc_bases_[rank_] = nullptr;
+  acc_own_.reset();  // unmapped here, or when the last gradient view is freed
+}
+
 void ShmTransport::close() {
+  closePeerAccumulators();
+  dropAccumulators();
   stopLifeLock();  // before unmapping: the kernel marks the life lock in the mapped region
   for (size_t r = 0; r < bases_.size(); ++r) {
     if (bases_[r] && static_cast<int>(r) != rank_) ::munmap(bases_[r], bytes_);
@@ -298,6 +377,16 @@ void ShmTransport::close() {
 }
 
 uint8_t* ShmTransport::at(int peer, size_t offset) const {
+  if (offset >= accum_begin_ && acc_bytes_ > 0) {
+    uint8_t* acc = acc_bases_.at(static_cast<size_t>(peer));
+    if (!acc) {
+      throw OdcError("odc: rank " + std::to_string(rank_) + ": the gradient accumulators of rank " +
+                     std::to_string(peer) +
+                     " are not mapped (freed by torch_odc.free_gradient_memory(), or the "
+                     "transport closed)");
+    }
+    return acc + (offset - accum_begin_);
+  }
   uint8_t* base = bases_.at(static_cast<size_t>(peer));
   if (!base) {
     throw OdcError("odc: rank " + std::to_string(rank_) + ": region of rank " +

@@ -1,6 +1,7 @@
 // Shared-memory transport for CPU tensors on one host.
 //
-// Each rank creates one POSIX shared-memory region (mode 0600, a name unique to the job),
+// Each rank creates one POSIX shared-memory region (and one segment per generation of its
+// accumulators, named after it and checked alike) (mode 0600, a name unique to the job),
 // publishes its name through the rendezvous, and maps every peer's region. Once every rank has
 // mapped every region, each rank unlinks its own name: the memory lives exactly as long as some
 // process maps it, so nothing is left in /dev/shm after a crash.
@@ -57,6 +58,12 @@ class ShmTransport : public Transport {
   void readAs(int peer, size_t offset, void* dst, size_t numel, DType from, DType to,
               Stream stream) override;
   std::shared_ptr<void> pinLocal() override { return own_; }
+  std::string createAccumulators(uint64_t gen) override;
+  void openAccumulators(int peer, const std::string& blob) override;
+  void closePeerAccumulators() override;
+  void dropAccumulators() override;
+  void accumulatorsOpened() override;
+  std::shared_ptr<void> pinAccumulators() override { return acc_own_; }
   void accumulate(int peer, size_t accum_offset, size_t elem, size_t locks_offset, uint64_t epoch,
                   const void* src, size_t numel, DType dtype, double scale, Stream stream) override;
   void quiesce(Stream stream) override;
@@ -93,9 +100,18 @@ class ShmTransport : public Transport {
   std::chrono::milliseconds timeout_{0};
   RegionLayout layout_;
   std::string name_;
+  std::vector<std::string> peer_names_;  // every rank's checked region name
+  const std::string& peerName(int peer) const { return peer_names_.at(static_cast<size_t>(peer)); }
   std::vector<std::string> names_to_unlink_;  // own and checked peers' names until unlinked
   std::vector<uint8_t*> bases_;               // index = rank; bases_[rank_] is the own region
   std::shared_ptr<void> own_;  // the own mapping: unmapped when close() and every pin dropped it
+  // The accumulators (offsets from accum_begin_ on): one segment per generation, named
+  // <region name>-a<gen>, unlinked once every rank mapped it (or when it is dropped).
+  size_t accum_begin_ = 0;
+  size_t acc_bytes_ = 0;
+  std::vector<uint8_t*> acc_bases_;
+  std::shared_ptr<void> acc_own_;
+  std::string acc_name_;  // the own segment's name while it is linked
   std::vector<int> pids_;
   std::unique_ptr<std::atomic<bool>[]> dead_;  // peers known dead (sticky)
   // The thread that holds this rank's life lock (see above) until close().

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 from odc_training import loss_of, reference, samples, sharded_model, train_odc
+
+import torch_odc
 
 SLEEP_S = 1.5
 
@@ -145,7 +148,8 @@ def _grads_are_accumulator_views(rank, world):
     facts["grads_after_detach"] = all(
         torch.equal(p.grad.to_local(), expected[n]) for n, p in model.named_parameters())
     facts["params_after_detach"] = all(
-        torch.equal(p.to_local(), values[n]) and not region_lo < p.to_local().data_ptr() < cache_lo
+        torch.equal(p.to_local(), values[n])
+        and not region_lo <= p.to_local().data_ptr() < region_lo + region_bytes
         for n, p in model.named_parameters())
     dist.barrier()
     return facts
@@ -201,8 +205,8 @@ def test_parameters_and_grads_outlive_the_process_group_without_detach():
 FREE_PLAN = [[2, 1], [1, 3], [0, 2], [3, 0]]
 
 
-def _train_freeing(rank, world, free_memory):
-    full, stats, _ = train_odc(rank, world, FREE_PLAN, False, None, True, 0.05,
+def _train_freeing(rank, world, free_memory, device="cpu"):
+    full, stats, _ = train_odc(rank, world, FREE_PLAN, False, None, True, 0.05, device=device,
                                free_memory=free_memory)
     return full, stats
 
@@ -242,3 +246,16 @@ def test_free_gradient_memory_refuses_once_gradients_were_pushed_on_every_rank()
     mine, peer = run_ranks(2, _free_after_a_push)
     assert "rank 0: torch_odc.free_gradient_memory() in minibatch 1 after this rank pushed" in mine
     assert "rank 1: peer rank 0 refused torch_odc.free_gradient_memory()" in peer, peer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+                    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
+def test_gpu_free_gradient_memory_trains_exactly_as_keeping_it():
+    """The CUDA IPC transport: accumulators freed after every step (cudaFree once every peer
+    closed its IPC mapping), a new allocation per minibatch, the same parameters bit for bit."""
+    freeing = run_ranks(2, _train_freeing, True, "cuda", cuda=True)
+    keeping = run_ranks(2, _train_freeing, False, "cuda", cuda=True)
+    for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
+        assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
+        for name, value in kept.items():
+            assert torch.equal(full[name], value), name

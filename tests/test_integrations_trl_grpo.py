@@ -355,6 +355,8 @@ def check(case, reference, odc):
     for rank, out in enumerate(r[case] for r in odc):
         steps = out["odc_steps"]
         assert len(steps) == STEPS, steps
+        # No accumulator memory through generation (free_gradient_memory at each step's start).
+        assert all(s["gradient_memory_freed"] for s in steps), steps
         counts = [s["microbatches"] for s in steps]
         options = CASES[case][1]
         if options["rebalance"] and "planner" not in options:  # the test's planner, step 0

@@ -11,8 +11,13 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from torch_odc import _C  # noqa: F401
 from torch_odc._attach import attach
 from torch_odc._backend import BACKEND_NAME, odc_backend, register
-from torch_odc._handle import (Handle, free_gradient_memory, minibatch_barrier,
-                               restore_gradient_memory, stats)
+from torch_odc._handle import (
+    Handle,
+    free_gradient_memory,
+    minibatch_barrier,
+    restore_gradient_memory,
+    stats,
+)
 
 register()
 

@@ -132,6 +132,12 @@ class Handle:
         for key in self._keys:
             key.drop_accumulator()
 
+    @property
+    def gradient_memory_held(self) -> bool:
+        """Whether the gradient accumulators are allocated (False after free_gradient_memory()
+        until they come back)."""
+        return self._attached and self._backend._accumulators_resident
+
     def restore_gradient_memory(self) -> None:
         """See :func:`torch_odc.restore_gradient_memory`."""
         if not self._attached:

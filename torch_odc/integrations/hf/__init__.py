@@ -48,15 +48,18 @@ def _adapter(trainer_class: type) -> type:
 def peak_memory_gib(trainer) -> list:
     """After training, every rank's peak device memory in GiB (None on CPU ranks), one gather:
     torch's allocator peak plus what ODC held beside it (``trainer.odc_memory_bytes``, which
-    ``torch.cuda.max_memory_allocated()`` does not count; 0 for an unmodified trainer). The
-    figure to compare ODC with the trainer it replaces."""
+    ``torch.cuda.max_memory_allocated()`` does not count; 0 for an unmodified trainer), at the
+    phase where their sum was largest. The figure to compare ODC with the trainer it replaces."""
     import torch
     import torch.distributed as dist
 
     peak = None
     if torch.cuda.is_available():
-        peak = (torch.cuda.max_memory_allocated()
-                + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+        # An ODC trainer that returned memory between phases (the GRPO adapter frees its
+        # gradient accumulators for generation) noted each phase's peak (odc_peak_bytes) and
+        # restarted the allocator's statistics there.
+        peak = max(torch.cuda.max_memory_allocated() + getattr(trainer, "odc_memory_bytes", 0),
+                   getattr(trainer, "odc_peak_bytes", 0)) / 2**30
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
     return peaks

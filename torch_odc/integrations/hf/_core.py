@@ -185,6 +185,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         self._odc_steps_per_epoch: int | None = None
         self.odc_steps: list[dict] = []
         self.odc_memory_bytes = 0  # set at train end (see _odc_detach)
+        # The run's peak so far, allocator plus ODC, per phase of what ODC held (_odc_note_peak).
+        self.odc_peak_bytes = 0
         from transformers import TrainerCallback
 
         ExportableState = _compat.load("transformers.trainer_callback", "ExportableState")
@@ -306,10 +308,39 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if self._odc_handle is not None:
             # What ODC held beside torch's allocator (shard cache, accumulators, control words):
             # not in torch.cuda.max_memory_allocated(); a run's peak is the sum of both.
+            self._odc_note_peak()
             memory = self._odc_handle.stats().get("memory", {})
             self.odc_memory_bytes = int(sum(memory.values()))
             self._odc_handle.detach()
             self._odc_handle = None
+
+    def _odc_note_peak(self) -> None:
+        """Before what ODC holds beside torch's allocator changes (free / restore of the gradient
+        memory, detach): the peak of the phase that ends, allocator plus ODC, joins the run's
+        (``odc_peak_bytes``), and the allocator's peak statistics restart for the next phase."""
+        if self._odc_handle is None or not torch.cuda.is_available():
+            return
+        held = int(sum(self._odc_handle.stats().get("memory", {}).values()))
+        self.odc_peak_bytes = max(getattr(self, "odc_peak_bytes", 0),
+                                  torch.cuda.max_memory_allocated() + held)
+        torch.cuda.reset_peak_memory_stats()
+
+    def _odc_free_gradient_memory(self) -> bool:
+        """Every rank, after the optimizer step and zero_grad(), before a phase without
+        gradients (RL generation): the accumulators' memory goes back to the device until
+        :meth:`_odc_restore_gradient_memory` (or the first backward). Whether it was freed."""
+        if self._odc_handle is None:
+            return False
+        self._odc_note_peak()
+        self._odc_handle.free_gradient_memory()
+        return not self._odc_handle.gradient_memory_held
+
+    def _odc_restore_gradient_memory(self) -> None:
+        """Every rank, where the ranks meet anyway before the step's first backward."""
+        if self._odc_handle is None:
+            return
+        self._odc_note_peak()
+        self._odc_handle.restore_gradient_memory()
 
     # -- data ----------------------------------------------------------------------------------
 

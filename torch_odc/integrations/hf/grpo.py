@@ -229,6 +229,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        if not self._odc_slices:
+            # A step begins (the last one's optimizer step and zero_grad() ran): no gradient is
+            # held until its first backward, so neither are ODC's accumulators, through
+            # generation, as TRL holds no .grad there (docs/integrations.md, "Memory").
+            self._odc_freed = self._odc_free_gradient_memory()
         # TRL's buffering, as GRPOTrainer.training_step would run it for this microbatch.
         self._odc_slices.append(self._prepare_inputs(inputs))
         _compat.write(self, "_step", _compat.read(self, "_step") + 1)
@@ -270,6 +275,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             mine, counts, rollouts = plan[0], None, None
             meta = {(rank, k): v for k, v in meta.items()}
             self._odc_moved = 0
+        # Every rank is here after the exchange (or the plan): the accumulators come back now,
+        # not at each rank's first backward, where the ranks would wait for each other.
+        self._odc_restore_gradient_memory()
         weights = self._odc_row_weights(rows, meta, g)
         self._odc_acc = self._odc_new_accumulators(g, rows.meta.device)
         total = torch.zeros((), device=self.args.device)
@@ -296,7 +304,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             self._odc_autocap.finish_step(self._odc_handle)
         counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
         record = {"step": step, "microbatches": counts, "rollouts": rollouts,
-                  "moved": self._odc_moved}
+                  "moved": self._odc_moved,
+                  "gradient_memory_freed": getattr(self, "_odc_freed", False)}
         if self._odc_cap is not None:
             # Each rank's padded tokens in the step under ODC (after the exchange) and in TRL's
             # own microbatches: the work the benchmarks take the planner's bound from.

@@ -232,7 +232,9 @@ def main() -> None:
                      "rollout_seconds": phases["rollout"], "rollouts": per_step,
                      "tokens": tokens - clock[1],
                      # The allocator's running peak after this step's rollout phase and after
-                     # its update: which phase raised it (ODC's region is apart, constant).
+                     # its update: which phase raised it. ODC's region is apart; the adapter
+                     # restarts the peak statistics where what it holds changes (at each
+                     # step's start and before its update), so under ODC each is that phase's.
                      "rollout_allocator_peak_gib": phases["rollout_peak"],
                      "allocator_peak_gib": (torch.cuda.max_memory_allocated() / 2**30
                                             if cuda else None),
@@ -245,7 +247,8 @@ def main() -> None:
                                                      "plain_padded_per_rank", "bytes_per_token",
                                                      "odc_extra_bytes", "plain_tokens", "padded_tokens",
                                                      "slope_bytes_per_token", "margin_bytes",
-                                                     "points") if k in step})
+                                                     "points", "gradient_memory_freed",
+                                                     "gradient_memory_s") if k in step})
             probe.step(rollout=phases["rollout_jit"],
                        host=trainer.odc_steps[-1].get("host_seconds")
                        if not args.plain and trainer.odc_steps else None)

@@ -187,6 +187,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         self.odc_memory_bytes = 0  # set at train end (see _odc_detach)
         # The run's peak so far, allocator plus ODC, per phase of what ODC held (_odc_note_peak).
         self.odc_peak_bytes = 0
+        # Host seconds in free / restore of the gradient memory (the GRPO adapter), so far.
+        self.odc_gradient_memory_s = 0.0
         from transformers import TrainerCallback
 
         ExportableState = _compat.load("transformers.trainer_callback", "ExportableState")
@@ -332,7 +334,9 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if self._odc_handle is None:
             return False
         self._odc_note_peak()
+        start = time.perf_counter()
         self._odc_handle.free_gradient_memory()
+        self.odc_gradient_memory_s += time.perf_counter() - start
         return not self._odc_handle.gradient_memory_held
 
     def _odc_restore_gradient_memory(self) -> None:
@@ -340,7 +344,9 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if self._odc_handle is None:
             return
         self._odc_note_peak()
+        start = time.perf_counter()
         self._odc_handle.restore_gradient_memory()
+        self.odc_gradient_memory_s += time.perf_counter() - start
 
     # -- data ----------------------------------------------------------------------------------
 

@@ -164,6 +164,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_slices: list[dict] = []
         self._odc_step_seconds = 0.0
         self._odc_acc: dict | None = None
+        self._odc_freed = False  # the gradient memory was out through this step's generation
+        self._odc_gm_mark = 0.0  # odc_gradient_memory_s at the last step's end
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -305,7 +307,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
         record = {"step": step, "microbatches": counts, "rollouts": rollouts,
                   "moved": self._odc_moved,
-                  "gradient_memory_freed": getattr(self, "_odc_freed", False)}
+                  "gradient_memory_freed": self._odc_freed,
+                  # free + restore of this step (host seconds; they synchronize with the device)
+                  "gradient_memory_s": self.odc_gradient_memory_s - self._odc_gm_mark}
+        self._odc_gm_mark = self.odc_gradient_memory_s
         if self._odc_cap is not None:
             # Each rank's padded tokens in the step under ODC (after the exchange) and in TRL's
             # own microbatches: the work the benchmarks take the planner's bound from.

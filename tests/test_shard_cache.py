@@ -12,6 +12,8 @@ import torch.distributed as dist
 from multiproc import run_ranks
 from odc_training import loss_of, samples, sharded_model
 
+import torch_odc
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 LR = 0.1
 
@@ -28,7 +30,7 @@ def _capture(model) -> tuple[dict, list]:
     return seen, hooks
 
 
-def _weights_seen(rank, world, mp_dtype, odc, reassign):
+def _weights_seen(rank, world, mp_dtype, odc, reassign, device="cpu"):
     """Two minibatches of one microbatch per rank (FSDP2 plain needs equal counts), SGD between
     them: per minibatch the weights each layer computed with, the loss, and (ODC) the full fp32
     parameters at the second forward, independently gathered (FSDP2's full_tensor over the
@@ -37,8 +39,9 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign):
 
     import torch_odc
 
-    model = sharded_model(world, "cpu",
+    model = sharded_model(world, device,
                           mp_policy=MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=FP32))
+    dev = next(model.parameters()).device
     handle = torch_odc.attach(model) if odc else None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     out = {"weights": [], "losses": []}
@@ -50,16 +53,16 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign):
                                   assign=True)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
         seen, hooks = _capture(model)
-        loss = loss_of(model, samples(mb, world)[rank])
+        loss = loss_of(model, samples(mb, world)[rank].to(dev))
         loss.backward()
         for h in hooks:
             h.remove()
-        out["weights"].append(seen)
+        out["weights"].append({n: w.cpu() for n, w in seen.items()})
         out["losses"].append(loss.detach().clone())
         if odc:
             torch_odc.minibatch_barrier()
         if mb == 1:
-            out["full"] = {n: p.full_tensor().detach().to(mp_dtype)
+            out["full"] = {n: p.full_tensor().detach().to(mp_dtype).cpu()
                            for n, p in model.named_parameters()}
             if odc:
                 out["memory"] = torch_odc.stats()[0]["memory"]
@@ -90,6 +93,24 @@ def test_gathered_weights_are_fsdp2s_bit_for_bit(mp_dtype, world, reassign):
             assert torch.equal(w, mine["full"][f"{name}.weight"]), (rank, name)
         memory = mine["memory"]
         assert memory["published_cache_bytes"] == 0 and memory["parameter_bytes"] > 0, memory
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+                    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
+@pytest.mark.parametrize("mp_dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_gpu_gathered_weights_are_torchs_rounding_bit_for_bit(mp_dtype):
+    """The CUDA transport's narrowing gather kernel: what each layer computes with is torch's
+    rounding of the fp32 parameters, at the start (every layer's initial weights) and after an
+    optimizer step in the cache (independently gathered by full_tensor, rounded by torch)."""
+    from odc_training import make_model
+
+    initial = {n: p.detach().to(mp_dtype) for n, p in make_model(False).named_parameters()}
+    for rank, out in enumerate(run_ranks(2, _weights_seen, mp_dtype, True, False, "cuda",
+                                         cuda=True)):
+        for name, w in out["weights"][0].items():
+            assert w.dtype == mp_dtype and torch.equal(w, initial[f"{name}.weight"]), (rank, name)
+        for name, w in out["weights"][1].items():
+            assert torch.equal(w, out["full"][f"{name}.weight"]), (rank, name)
 
 
 def _meta_then_materialized(rank, world, plan):

@@ -118,6 +118,25 @@ __global__ void odcWaitAllKernel(GatherArgs a, uint64_t value, uint64_t deadline
   }
 }
 
+// The gather kernels' main loop: `vecs` vectors of `s`, each stored into `d` as `convert` makes
+// it, in a grid-stride loop with 8 loads in flight per thread before their stores.
+template <typename In, typename Out, typename Convert>
+__device__ __forceinline__ void copyVectors(const In* s, Out* d, size_t vecs, size_t tid,
+                                            size_t stride, Convert convert) {
+  constexpr int kUnroll = 8;
+  for (size_t base = tid; base < vecs; base += stride * kUnroll) {
+    In v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * stride < vecs) v[u] = s[base + u * stride];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * stride < vecs) d[base + u * stride] = convert(v[u]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(512)
     odcGatherKernel(GatherArgs a, size_t bytes, const uint32_t* stop) {
   if (blockSkips(stop)) return;
@@ -129,21 +148,9 @@ __global__ void __launch_bounds__(512)
   size_t done = 0;
   if (aligned16(src, dst)) {
     // Plain (coherent) loads: the peer rewrites its cache every minibatch.
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
-    uint4* d4 = reinterpret_cast<uint4*>(dst);
     const size_t vecs = bytes / 16;
-    constexpr int kUnroll = 8;
-    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * stride < vecs) v[u] = s4[base + u * stride];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * stride < vecs) d4[base + u * stride] = v[u];
-      }
-    }
+    copyVectors(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), vecs, tid,
+                stride, [](uint4 v) { return v; });
     done = vecs * 16;
   }
   for (size_t i = done + tid; i < bytes; i += stride) dst[i] = src[i];
@@ -170,28 +177,16 @@ __global__ void __launch_bounds__(512)
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   size_t done = 0;
   if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    uint2* d2 = reinterpret_cast<uint2*>(dst);
     const size_t vecs = numel / 4;
-    constexpr int kUnroll = 8;
-    for (size_t base = tid; base < vecs; base += stride * kUnroll) {
-      float4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * stride < vecs) v[u] = s4[base + u * stride];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * stride < vecs) {
-          uint2 o;
-          o.x = narrowBits(v[u].x, static_cast<T*>(nullptr)) |
-                (narrowBits(v[u].y, static_cast<T*>(nullptr)) << 16);
-          o.y = narrowBits(v[u].z, static_cast<T*>(nullptr)) |
-                (narrowBits(v[u].w, static_cast<T*>(nullptr)) << 16);
-          d2[base + u * stride] = o;
-        }
-      }
-    }
+    copyVectors(reinterpret_cast<const float4*>(src), reinterpret_cast<uint2*>(dst), vecs, tid,
+                stride, [](float4 v) {
+                  uint2 o;
+                  o.x = narrowBits(v.x, static_cast<T*>(nullptr)) |
+                        (narrowBits(v.y, static_cast<T*>(nullptr)) << 16);
+                  o.y = narrowBits(v.z, static_cast<T*>(nullptr)) |
+                        (narrowBits(v.w, static_cast<T*>(nullptr)) << 16);
+                  return o;
+                });
     done = vecs * 4;
   }
   for (size_t i = done + tid; i < numel; i += stride) {

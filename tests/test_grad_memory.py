@@ -214,14 +214,15 @@ def _train_freeing(rank, world, free_memory, device="cpu"):
 def test_free_gradient_memory_returns_the_accumulators_between_minibatches_exactly():
     """free_gradient_memory() after each step: the accumulators are unmapped on every rank (their
     shared-memory segments gone from the process) through a forward without gradients, and the
-    training is bit for bit the one that kept them, and the single-process reference's."""
+    training is the one that kept them, and the single-process reference's (to rounding: peers'
+    pushes into one accumulator land in either order)."""
     freeing = run_ranks(2, _train_freeing, True)
     keeping = run_ranks(2, _train_freeing, False)
     expected = reference(FREE_PLAN, False, 0.05)
     for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
         assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
         for name, value in kept.items():
-            assert torch.equal(full[name], value), name
+            torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
             torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)
 
 
@@ -252,10 +253,14 @@ def test_free_gradient_memory_refuses_once_gradients_were_pushed_on_every_rank()
                     reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
 def test_gpu_free_gradient_memory_trains_exactly_as_keeping_it():
     """The CUDA IPC transport: accumulators freed after every step (cudaFree once every peer
-    closed its IPC mapping), a new allocation per minibatch, the same parameters bit for bit."""
+    closed its IPC mapping), a new allocation per minibatch, the same parameters as keeping them
+    and as the reference (to rounding: pushes are atomic adds in either order; a bit-for-bit
+    comparison failed once on an H200 for that reason alone)."""
     freeing = run_ranks(2, _train_freeing, True, "cuda", cuda=True)
     keeping = run_ranks(2, _train_freeing, False, "cuda", cuda=True)
+    expected = reference(FREE_PLAN, False, 0.05)
     for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
         assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
         for name, value in kept.items():
-            assert torch.equal(full[name], value), name
+            torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
+            torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)

@@ -211,19 +211,24 @@ def _train_freeing(rank, world, free_memory, device="cpu"):
     return full, stats
 
 
-def test_free_gradient_memory_returns_the_accumulators_between_minibatches_exactly():
-    """free_gradient_memory() after each step: the accumulators are unmapped on every rank (their
-    shared-memory segments gone from the process) through a forward without gradients, and the
-    training is the one that kept them, and the single-process reference's (to rounding: peers'
-    pushes into one accumulator land in either order)."""
-    freeing = run_ranks(2, _train_freeing, True)
-    keeping = run_ranks(2, _train_freeing, False)
+def _check_freeing_matches_keeping(device):
+    cuda = device == "cuda"
+    freeing = run_ranks(2, _train_freeing, True, device, cuda=cuda)
+    keeping = run_ranks(2, _train_freeing, False, device, cuda=cuda)
     expected = reference(FREE_PLAN, False, 0.05)
     for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
         assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
         for name, value in kept.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
             torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_free_gradient_memory_returns_the_accumulators_between_minibatches():
+    """free_gradient_memory() after each step: the accumulators are unmapped on every rank (their
+    shared-memory segments gone from the process) through a forward without gradients, and the
+    training is the one that kept them, and the single-process reference's (to rounding: peers'
+    pushes into one accumulator land in either order)."""
+    _check_freeing_matches_keeping("cpu")
 
 
 def _free_after_a_push(rank, world):
@@ -251,16 +256,9 @@ def test_free_gradient_memory_refuses_once_gradients_were_pushed_on_every_rank()
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
                     reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
-def test_gpu_free_gradient_memory_trains_exactly_as_keeping_it():
+def test_gpu_free_gradient_memory_trains_as_keeping_it():
     """The CUDA IPC transport: accumulators freed after every step (cudaFree once every peer
     closed its IPC mapping), a new allocation per minibatch, the same parameters as keeping them
     and as the reference (to rounding: pushes are atomic adds in either order; a bit-for-bit
     comparison failed once on an H200 for that reason alone)."""
-    freeing = run_ranks(2, _train_freeing, True, "cuda", cuda=True)
-    keeping = run_ranks(2, _train_freeing, False, "cuda", cuda=True)
-    expected = reference(FREE_PLAN, False, 0.05)
-    for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
-        assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
-        for name, value in kept.items():
-            torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
-            torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)
+    _check_freeing_matches_keeping("cuda")

@@ -24,6 +24,19 @@ struct WaitContext {
   std::function<std::string()> describe;  // e.g. "peer rank 3 to publish key 'layers.0' ..."
 };
 
+// The address of `offset` (>= the layout's accumBegin()) in peer `peer`'s accumulators, mapped
+// at `base` (null: not mapped, an error naming both ranks).
+inline uint8_t* accumulatorAddress(uint8_t* base, int rank, int peer, size_t offset,
+                                   size_t accum_begin) {
+  if (!base) {
+    throw OdcError("odc: rank " + std::to_string(rank) + ": the gradient accumulators of rank " +
+                   std::to_string(peer) +
+                   " are not mapped (freed by torch_odc.free_gradient_memory(), or the "
+                   "transport closed)");
+  }
+  return base + (offset - accum_begin);
+}
+
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -432,14 +432,8 @@ bool CudaIpcTransport::drain(Clock::time_point deadline, bool raise_errors) {
 
 uint8_t* CudaIpcTransport::at(int peer, size_t offset) const {
   if (offset >= accum_begin_ && acc_bytes_ > 0) {
-    uint8_t* acc = acc_bases_.at(static_cast<size_t>(peer));
-    if (!acc) {
-      throw OdcError("odc: rank " + std::to_string(rank_) + ": the gradient accumulators of rank " +
-                     std::to_string(peer) +
-                     " are not mapped (freed by torch_odc.free_gradient_memory(), or the "
-                     "transport closed)");
-    }
-    return acc + (offset - accum_begin_);
+    return accumulatorAddress(acc_bases_.at(static_cast<size_t>(peer)), rank_, peer, offset,
+                              accum_begin_);
   }
   uint8_t* base = bases_.at(static_cast<size_t>(peer));
   if (!base) {

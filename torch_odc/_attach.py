@@ -82,8 +82,6 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         key._where = handle._where
         key.calls = _C.KeyCalls(backend, index, len(key.unit.params))
         key.set_accumulator(backend._accumulator(index))
-    handle._accumulator_generation = backend._accumulator_generation
-    for index, key in enumerate(entries):
         key.hook_sharded_grads()
         if replicate is not None:  # FSDP2's per-microbatch all-reduce across replicas: off
             key.unit.module.set_requires_all_reduce(False, recurse=False)
@@ -95,6 +93,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         for module in key.unit.modules:
             handle._hooks.append(
                 module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
+    handle._accumulator_generation = backend._accumulator_generation  # what the keys view
     # The sharded parameters move into the shard caches now (before the optimizer's state is
     # made, before the first minibatch): FSDP2's lazy init may still re-pad some (those move in
     # at their first publish).

@@ -124,19 +124,15 @@ class Handle:
             _fsdp2.drop_partial_reduce_output(key.unit)
         self._barrier_done, self._stepped = True, set()
 
-    def free_gradient_memory(self) -> None:
-        """See :func:`torch_odc.free_gradient_memory`."""
+    def free_gradient_memory(self) -> bool:
+        """See :func:`torch_odc.free_gradient_memory`. Whether the accumulators are out now
+        (False for a model that kept collective semantics at attach)."""
         if not self._attached:
-            return
+            return False
         self._backend._free_accumulators()
         for key in self._keys:
             key.drop_accumulator()
-
-    @property
-    def gradient_memory_held(self) -> bool:
-        """Whether the gradient accumulators are allocated (False after free_gradient_memory()
-        until they come back)."""
-        return self._attached and self._backend._accumulators_resident
+        return True
 
     def restore_gradient_memory(self) -> None:
         """See :func:`torch_odc.restore_gradient_memory`."""

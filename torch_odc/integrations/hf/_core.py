@@ -335,9 +335,9 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             return False
         self._odc_note_peak()
         start = time.perf_counter()
-        self._odc_handle.free_gradient_memory()
+        freed = self._odc_handle.free_gradient_memory()
         self.odc_gradient_memory_s += time.perf_counter() - start
-        return not self._odc_handle.gradient_memory_held
+        return freed
 
     def _odc_restore_gradient_memory(self) -> None:
         """Every rank, where the ranks meet anyway before the step's first backward."""

@@ -1,14 +1,24 @@
 """The derived microbatch cap's fit (torch_odc.integrations.hf._steps.fit_bytes_per_token): the
 marginal peak bytes per token from a step's microbatches, as every rank computes it from the
-shared points. The measurement itself runs in the GPU cases of test_integrations_hf.py."""
+shared points, and the packing of a rank's rows under the cap (pack_padded). The measurement
+itself runs in the GPU cases of test_integrations_hf.py."""
 
+import itertools
 import math
+import random
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from torch_odc.integrations.hf._steps import fit_bytes_per_token
+from torch_odc.integrations.hf._steps import (
+    fit_bytes_per_token,
+    left_padded_widths,
+    pack_padded,
+    padded_tokens,
+    round_up,
+    row_shape,
+)
 
 
 def points(a, b, fwd, sizes):
@@ -63,3 +73,52 @@ def test_the_microbatch_furthest_above_the_line_sets_the_margin_kept_free():
     residual = max(p[2] - (a + b * p[0]) for p in pts)
     assert info["margin_bytes"] == pytest.approx(residual)
     assert 40e6 < info["margin_bytes"] < 80e6  # the fit absorbs part of the outlier
+
+
+def _cuttings(order, size, cap):
+    """Every cutting of ``order`` into consecutive runs that keeps each run of several rows
+    within the cap, as (microbatches, padded tokens): the reference pack_padded must reach."""
+    n = len(order)
+    for mask in range(1 << max(n - 1, 0)):
+        cuts = [0, *(k + 1 for k in range(n - 1) if mask >> k & 1), n]
+        runs = [order[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+        if all(len(r) == 1 or size(r) <= cap for r in runs):
+            yield len(runs), sum(size(r) for r in runs)
+
+
+def _counted(kind: int, rows):
+    """How a trainer counts a microbatch of ``rows``, straight (``size``) and as pack_padded
+    is told (``shape``, ``width``): padded_tokens for language-modeling rows (kind 0), preference
+    pairs (1) and padding-free rows (2); GRPO's rollouts (3: longest prompt, left-padded to a
+    multiple of 64, plus longest completion, per row)."""
+    if kind == 3:
+        def size(mb):
+            return len(mb) * sum(left_padded_widths(
+                max(rows[i][0] for i in mb), max(rows[i][1] for i in mb), 64, True))
+        return size, lambda i: (1, rows[i]), lambda d: sum(left_padded_widths(*d, 64, True))
+    free = kind == 2
+    return ((lambda mb: padded_tokens([rows[i] for i in mb], free, 8)),
+            (lambda i: row_shape(rows[i], free)), (lambda d: round_up(d[0], 8) if d else 1))
+
+
+def test_packing_takes_the_fewest_microbatches_then_the_fewest_padded_tokens():
+    # A GRPO step's rank: 4 rollouts of one long prompt, 12 of short ones. Filling each
+    # microbatch up to the cap pads 3 short rows to the long length (7 x 1800 + 9 x 600).
+    lengths = [600] * 6 + [1800] * 4 + [600] * 6
+    got = pack_padded(range(16), lambda i: (1, (lengths[i],)), lambda d: d[0], 14400)
+    assert [sorted(mb) for mb in got] == [[6, 7, 8, 9], [*range(6), *range(10, 16)]]
+
+    # Against every cutting of the sorted rows, on random lengths and caps (a row above the cap
+    # runs alone), the microbatches counted as each trainer counts them.
+    rng = random.Random(7)
+    for case in range(400):
+        n, cap, kind = rng.randint(1, 9), rng.randint(50, 6000), case % 4
+        lengths = [rng.choice([rng.randint(1, 100), rng.randint(1, 3000)]) for _ in range(2 * n)]
+        rows = ([(lengths[i], 1 + lengths[n + i] % 40) for i in range(n)] if kind == 3 else
+                [tuple(lengths[i::n][:1 + (kind == 1)]) for i in range(n)])
+        size, shape, width = _counted(kind, rows)
+        got = pack_padded(range(n), shape, width, cap)
+        assert sorted(i for mb in got for i in mb) == list(range(n))
+        assert all(len(mb) == 1 or size(mb) <= cap for mb in got), (case, got)
+        order = sorted(range(n), key=lambda i: (-size([i]), i))
+        assert (len(got), sum(size(mb) for mb in got)) == min(_cuttings(order, size, cap)), case

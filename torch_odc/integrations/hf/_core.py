@@ -70,6 +70,8 @@ from ._steps import (  # noqa: F401  (re-exported for the adapters)
     _StepLoader,
     pack_padded,
     padded_tokens,
+    round_up,
+    row_shape,
 )
 
 __all__ = ["ODCConfig", "ODCStep", "ODCTrainerMixin"]
@@ -579,8 +581,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         rows, free = self._odc_rows_of_dataset, self._odc_padding_free()
         odc, plain = self._odc_multiple, self._odc_plain_multiple
         step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
-        per_rank = [pack_padded(a, lambda mb: padded_tokens([rows[i] for i in mb], free, odc),
-                                cap)
+        per_rank = [pack_padded(a, lambda i: row_shape(rows[i], free),
+                                lambda dims: round_up(dims[0], odc) if dims else 1, cap)
                     for a in step.assigned]
         mine = per_rank[self.args.process_index]
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]

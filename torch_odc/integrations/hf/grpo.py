@@ -356,8 +356,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_cap = (cap, plain)
         plan = _checked_plan(planner(lengths, world, step, cap=max(plain, max(lengths))),
                              len(lengths), world, step)
-        plan = [pack_padded([i for m in p for i in m],
-                            lambda mb: self._odc_padded([shapes[i] for i in mb]), cap)
+        plan = [pack_padded([i for m in p for i in m], lambda i: (1, tuple(shapes[i])),
+                            lambda dims: sum(self._odc_widths(*dims)), cap)
                 for p in plan]
         return plan
 

@@ -224,6 +224,9 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
                       # each rank's tokens as it ran them and as verl's driver dispatched
                       # them (the planner's bound: the slowest rank's, summed over steps)
                       "padded_per_rank": worked, "plain_padded_per_rank": dispatched,
+                      # rows that changed rank, and LB-Mini's seconds (plan and exchange)
+                      "moved": odc[-1]["moved"] if odc else 0,
+                      "balance_seconds": odc[-1]["balance_seconds"] if odc else 0.0,
                       "loss": float(metrics["loss"][0]),
                       "grad_norm": float(metrics["grad_norm"][0]),
                       "pg_loss": float(metrics["actor/pg_loss"][0])})

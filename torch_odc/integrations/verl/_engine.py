@@ -24,6 +24,7 @@ gradient averaging divides back out.
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -174,9 +175,10 @@ class ODCEngineMixin:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         tu.assign_non_tensor(data, sp_size=1)
         keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
-        planned = None
+        planned, started = None, time.perf_counter()
         if not forward_only and self.odc_balance == "mini":
             data, planned = self._odc_lb_mini(data, keep_outputs)
+        balanced = time.perf_counter() - started
         # The loss denominators over the DP group, as verl's engine computes them: one
         # all-reduce per mini-batch, which every rank calls once.
         num_tokens = data["loss_mask"].sum().to(torch.device(self.device_mesh.device_type))
@@ -209,7 +211,9 @@ class ODCEngineMixin:
         if not forward_only:
             self.odc_steps.append({"microbatches": len(micro_batches), "sequences": len(data),
                                    "tokens": sum(_row_lengths(data)),
-                                   "received": self._odc_received if planned is not None else 0})
+                                   "received": self._odc_received if planned is not None else 0,
+                                   "moved": self._odc_moved if planned is not None else 0,
+                                   "balance_seconds": balanced})
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def optimizer_step(self):
@@ -251,11 +255,14 @@ class ODCEngineMixin:
                 f"{where}: a sequence of {max(lengths)} tokens is longer than "
                 f"max_token_len_per_gpu={cap} (verl refuses it too)")
         plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
-        # Rows move pickled (a TensorDict's rows may be nested tensors); rank labels as planned.
+        # Rows move pickled (a TensorDict's rows may be nested tensors). LB-Mini's rank labels
+        # are arbitrary: each rank takes the share it holds most rows of (verl's driver already
+        # balanced the batch, so most rows stay where they are).
         exchanged = balance.exchange_rows(
             data.select(*_row_keys(data)), plan, [len(part) for part in everyone], group=group,
-            take=tu.index_select_tensor_dict, join=tu.concat_tensordict, where=where)
-        self._odc_received = exchanged.received
+            keep_in_place=True, take=tu.index_select_tensor_dict, join=tu.concat_tensordict,
+            where=where)
+        self._odc_received, self._odc_moved = exchanged.received, exchanged.moved
         mine = exchanged.rows
         _copy_non_tensor(data, mine)
         return mine, exchanged.microbatches

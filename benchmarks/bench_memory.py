@@ -25,7 +25,9 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,11 +89,38 @@ def run(args, device, group, odc: bool) -> dict:
         stats = handle.stats()
         out["region_bytes"] = stats["region_bytes"]
         out["region"] = stats["memory"]
+        if args.cycles:
+            out["gradient_memory_cycles"] = free_restore_cycles(args, model, handle, device, gen)
         handle.detach()
     del model, opt, handle
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def free_restore_cycles(args, model, handle, device, gen) -> list[dict]:
+    """--cycles: the host seconds of free_gradient_memory() and restore_gradient_memory() (the
+    GRPO adapter's pair around generation), each cycle followed by one microbatch and the
+    barrier, with the engine's split of each (stats()["gradient_memory"])."""
+    vocab = MODELS[args.model][-1]
+    cycles = []
+    for _ in range(args.cycles):
+        before = handle.stats()["gradient_memory"]
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle.free_gradient_memory()
+        t1 = time.perf_counter()
+        handle.restore_gradient_memory()
+        t2 = time.perf_counter()
+        after = handle.stats()["gradient_memory"]
+        cycles.append({"free_s": t1 - t0, "restore_s": t2 - t1,
+                       "engine": {k: after[k] - before[k] for k in after if k.endswith("_s")}})
+        tokens = torch.randint(0, vocab, (args.seq_len + 1,), generator=gen).to(device)
+        (model([tokens]) / args.seq_len).backward()
+        torch_odc.minibatch_barrier()
+        model.zero_grad()
+    return cycles
 
 
 def plot(result, path):
@@ -140,6 +169,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--minibatches", type=int, default=3)
+    p.add_argument("--cycles", type=int, default=0,
+                   help="then time this many free/restore_gradient_memory cycles (ODC)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
@@ -200,6 +231,14 @@ def main():
                   f"region {o['region_bytes'] / GiB:.3f} GiB ({o['region']}) ; FSDP2 "
                   f"({f2['how']}) {f2['allocator_peak_bytes'] / GiB:.3f} GiB; extra "
                   f"{extra[r_i]:.3f} B per sharded parameter")
+            cycles = o.get("gradient_memory_cycles")
+            if cycles:
+                med = {k: statistics.median(c["engine"][k] for c in cycles)
+                       for k in cycles[0]["engine"]}
+                print(f"rank {r_i}: free/restore over {len(cycles)} cycles, median ms: free "
+                      f"{1e3 * statistics.median(c['free_s'] for c in cycles):.2f}, restore "
+                      f"{1e3 * statistics.median(c['restore_s'] for c in cycles):.2f}; engine "
+                      + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in med.items()))
     dist.destroy_process_group()
 
 

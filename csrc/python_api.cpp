@@ -300,6 +300,18 @@ void bindEngineStats(BackendClass& cls) {
     memory["control_bytes"] = layout.accumBegin() - layout.cacheBytes() +
                               (resident ? layout.accumRegionBytes() - layout.accumBytes() : 0);
     d["memory"] = memory;
+    // Host seconds of free_gradient_memory / restore_gradient_memory, summed over the calls.
+    const auto gm = e.gradientMemoryTimes();
+    py::dict gmd;
+    gmd["frees"] = gm.frees;
+    gmd["restores"] = gm.restores;
+    gmd["free_s"] = gm.free_s;
+    gmd["free_wait_s"] = gm.free_wait_s;
+    gmd["allocate_s"] = gm.allocate_s;
+    gmd["open_s"] = gm.open_s;
+    gmd["restore_wait_s"] = gm.restore_wait_s;
+    gmd["restore_s"] = gm.restore_s;
+    d["gradient_memory"] = gmd;
     d["current"] = statsDict(e.currentStats());
     d["last"] = statsDict(e.lastStats());
     d["total"] = statsDict(e.totalStats());

@@ -216,8 +216,16 @@ def _check_freeing_matches_keeping(device):
     freeing = run_ranks(2, _train_freeing, True, device, cuda=cuda)
     keeping = run_ranks(2, _train_freeing, False, device, cuda=cuda)
     expected = reference(FREE_PLAN, False, 0.05)
-    for (full, stats), (kept, _) in zip(freeing, keeping, strict=True):
+    for (full, stats), (kept, kept_stats) in zip(freeing, keeping, strict=True):
         assert stats["freed"] == [True] * len(FREE_PLAN), stats["freed"]
+        # The engine's account of its frees and restores (the first allocation, at attach,
+        # is a restore; the last free is not followed by one): its parts within its wholes.
+        gm, kept_gm = stats["gradient_memory"], kept_stats["gradient_memory"]
+        assert (gm["frees"], gm["restores"]) == (len(FREE_PLAN), len(FREE_PLAN)), gm
+        assert (kept_gm["frees"], kept_gm["restores"], kept_gm["free_s"]) == (0, 1, 0), kept_gm
+        assert 0 <= gm["free_wait_s"] <= gm["free_s"] and gm["free_s"] > 0, gm
+        parts = gm["allocate_s"] + gm["open_s"] + gm["restore_wait_s"]
+        assert 0 < parts <= gm["restore_s"] and min(gm.values()) >= 0, gm
         for name, value in kept.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
             torch.testing.assert_close(full[name], expected[name], rtol=1e-4, atol=1e-5)

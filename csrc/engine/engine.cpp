@@ -162,12 +162,15 @@ void Engine::freeLocked(Stream stream) {
                    "between the minibatch barrier (and the optimizer step) and the next "
                    "backward, on every rank");
   }
+  const auto t0 = Clock::now();
   transport_->quiesce(stream);
   transport_->closePeerAccumulators();
   transport_->storeControl(layout_.controlAccumClosed(), accum_gen_);
+  const auto t_wait = Clock::now();
   waitWord(layout_.controlAccumClosed(), accum_gen_,
            "free its gradient memory (torch_odc.free_gradient_memory(), every rank, between "
            "the barrier and the next backward)");
+  gm_times_.free_wait_s += secondsSince(t_wait);
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     if (transport_->loadControl(peer, layout_.controlAccumClosed()) == ~uint64_t{0}) {
@@ -181,6 +184,8 @@ void Engine::freeLocked(Stream stream) {
   }
   transport_->dropAccumulators();
   accum_resident_ = false;
+  gm_times_.free_s += secondsSince(t0);
+  ++gm_times_.frees;
 }
 
 void Engine::restoreAccumulators() {
@@ -195,6 +200,7 @@ void Engine::restoreAccumulators() {
 void Engine::restoreLocked() {
   if (accum_resident_) return;
   const uint64_t gen = accum_gen_ + 1;
+  const auto t0 = Clock::now();
   std::string blob;
   try {
     blob = transport_->createAccumulators(gen);
@@ -208,6 +214,7 @@ void Engine::restoreLocked() {
                    " transport's accumulator description is " + std::to_string(blob.size()) +
                    " bytes long");
   }
+  gm_times_.allocate_s += secondsSince(t0);
   const size_t words = (blob.size() + sizeof(uint64_t) - 1) / sizeof(uint64_t);
   std::string padded = blob;
   padded.resize(words * sizeof(uint64_t), '\0');
@@ -220,9 +227,12 @@ void Engine::restoreLocked() {
   }
   accum_gen_ = gen;
   transport_->storeControl(layout_.controlAccumGen(), gen);  // after the blob (release)
+  auto t_wait = Clock::now();
   waitWord(layout_.controlAccumGen(), gen,
            "allocate its gradient memory (torch_odc.restore_gradient_memory(), or its first "
            "backward or barrier after torch_odc.free_gradient_memory())");
+  gm_times_.restore_wait_s += secondsSince(t_wait);
+  const auto t_open = Clock::now();
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     const size_t bytes = transport_->loadControl(peer, at);
@@ -238,17 +248,27 @@ void Engine::restoreLocked() {
     theirs.resize(bytes);
     transport_->openAccumulators(peer, theirs);
   }
+  gm_times_.open_s += secondsSince(t_open);
   // Nobody may allocate the next generation (overwriting its description) before every rank
   // mapped this one; then a transport may forget what named it.
   transport_->storeControl(layout_.controlAccumOpened(), gen);
+  t_wait = Clock::now();
   waitWord(layout_.controlAccumOpened(), gen, "map every rank's gradient memory");
+  gm_times_.restore_wait_s += secondsSince(t_wait);
   transport_->accumulatorsOpened();
   accum_resident_ = true;
+  gm_times_.restore_s += secondsSince(t0);
+  ++gm_times_.restores;
 }
 
 bool Engine::accumulatorsResident() const {
   std::lock_guard<std::mutex> lock(mu_);
   return accum_resident_;
+}
+
+GradientMemoryTimes Engine::gradientMemoryTimes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gm_times_;
 }
 
 uint64_t Engine::accumulatorGeneration() const {

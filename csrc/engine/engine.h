@@ -71,6 +71,19 @@ struct EngineStats {
   void add(const EngineStats& o);
 };
 
+// Where free_gradient_memory / restore_gradient_memory spend their host time, summed over the
+// calls that did something (seconds).
+struct GradientMemoryTimes {
+  uint64_t frees = 0;
+  uint64_t restores = 0;
+  double free_s = 0;          // the whole free
+  double free_wait_s = 0;     // of which waiting for every peer to close ours
+  double allocate_s = 0;      // restore: allocating (and zeroing) the new generation
+  double open_s = 0;          // restore: mapping every peer's
+  double restore_wait_s = 0;  // restore: waiting for every peer to allocate, then to map
+  double restore_s = 0;       // the whole restore
+};
+
 class Engine {
  public:
   Engine(int rank, int world, std::chrono::milliseconds timeout,
@@ -138,6 +151,7 @@ class Engine {
   bool accumulatorsResident() const;
   // The generation of the own accumulators (views made of an older one are stale).
   uint64_t accumulatorGeneration() const;
+  GradientMemoryTimes gradientMemoryTimes() const;
   // Called once before retrying an accumulator allocation that failed (e.g. to return the
   // memory a caching allocator holds).
   void setAllocationRetry(std::function<void()> retry) { alloc_retry_ = std::move(retry); }
@@ -178,6 +192,7 @@ class Engine {
   uint64_t accum_gen_ = 0;             // generation of the own accumulators
   bool accum_resident_ = false;        // they are allocated and every peer's is mapped
   std::function<void()> alloc_retry_;
+  GradientMemoryTimes gm_times_;
   // Per key: its trainable parameters in key order, and their spans merged into runs (what a
   // push of every trainable parameter, the common case, uses without building them per call).
   struct Run {

@@ -248,7 +248,8 @@ def main() -> None:
                                                      "odc_extra_bytes", "plain_tokens", "padded_tokens",
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points", "gradient_memory_freed",
-                                                     "gradient_memory_s") if k in step})
+                                                     "gradient_memory_s",
+                                                     "gradient_memory_parts") if k in step})
             probe.step(rollout=phases["rollout_jit"],
                        host=trainer.odc_steps[-1].get("host_seconds")
                        if not args.plain and trainer.odc_steps else None)

@@ -166,6 +166,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_acc: dict | None = None
         self._odc_freed = False  # the gradient memory was out through this step's generation
         self._odc_gm_mark = 0.0  # odc_gradient_memory_s at the last step's end
+        self._odc_gm_parts: dict = {}  # the engine's split of it at the last step's end
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -309,7 +310,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                   "moved": self._odc_moved,
                   "gradient_memory_freed": self._odc_freed,
                   # free + restore of this step (host seconds; they synchronize with the device)
-                  "gradient_memory_s": self.odc_gradient_memory_s - self._odc_gm_mark}
+                  "gradient_memory_s": self.odc_gradient_memory_s - self._odc_gm_mark,
+                  # of which the engine's parts (free, waits, allocating, mapping the peers')
+                  "gradient_memory_parts": self._odc_gradient_memory_parts()}
         self._odc_gm_mark = self.odc_gradient_memory_s
         if self._odc_cap is not None:
             # Each rank's padded tokens in the step under ODC (after the exchange) and in TRL's
@@ -331,6 +334,14 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return 0
         pw, cw = self._odc_widths(max(p for p, _ in shapes), max(c for _, c in shapes))
         return len(shapes) * (pw + cw)
+
+    def _odc_gradient_memory_parts(self) -> dict:
+        """The engine's host seconds in free / restore since the last call, by part."""
+        now = self._odc_handle.stats()["gradient_memory"] if self._odc_handle else {}
+        parts = {k: v - self._odc_gm_parts.get(k, 0) for k, v in now.items()
+                 if k.endswith("_s")}
+        self._odc_gm_parts = now
+        return parts
 
     def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
         """A microbatch's prompt and completion widths from its longest of each: at least one

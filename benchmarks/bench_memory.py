@@ -71,9 +71,11 @@ def run(args, device, group, odc: bool) -> dict:
             tokens = torch.randint(0, vocab, (args.seq_len + 1,), generator=gen).to(device)
             (model([tokens]) / args.seq_len).backward()
         # What .grad holds in the allocator at the end of the minibatch's backward: FSDP2's
-        # sharded gradients; under ODC nothing (the gradients are in the accumulators).
-        grad_bytes = sum(p.grad.to_local().numel() * p.grad.to_local().element_size()
-                         for p in model.parameters() if p.grad is not None)
+        # sharded gradients; under ODC nothing (the gradients are in the accumulators, .grad
+        # a placeholder that allocates nothing and refuses to be read before the barrier).
+        grad_bytes = 0 if handle is not None else sum(
+            p.grad.to_local().numel() * p.grad.to_local().element_size()
+            for p in model.parameters() if p.grad is not None)
         if handle is not None:
             torch_odc.minibatch_barrier()
         opt.step()

@@ -110,8 +110,10 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
     if steps and "microbatches" in steps[0]:
         out["microbatches_per_rank"] = [s["microbatches"] for s in steps]
         out["caps"] = [s.get("cap") for s in steps]
-    if steps and "moved" in steps[0]:
-        out["rollouts_moved_per_step"] = sum(s["moved"] for s in steps) / len(steps)
+    if steps and "moved" in steps[0]:  # rows that changed rank (GRPO, verl's LB-Mini)
+        out[f"{unit}_moved_per_step"] = sum(s["moved"] for s in steps) / len(steps)
+    if steps and "balance_seconds" in steps[0]:  # verl: LB-Mini's plan and exchange
+        out["balance_seconds_per_step"] = sum(s["balance_seconds"] for s in steps) / len(steps)
     if steps and all("padded_per_rank" in s for s in steps):
         plain = sum(max(s["plain_padded_per_rank"]) for s in steps)
         odc = sum(max(s["padded_per_rank"]) for s in steps)

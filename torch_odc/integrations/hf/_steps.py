@@ -127,8 +127,18 @@ def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[
             widths[dims] = width(dims)
         return weight * widths[dims]
 
+    def largest(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...]:
+        return b if a is None else tuple(map(max, a, b))
+
     order = sorted(positions, key=lambda i: (-tokens(*info[i]), i))
     n = len(order)
+    if not n:
+        return []
+    dims = None
+    for i in order:
+        dims = largest(dims, info[i][1])
+    if tokens(sum(info[i][0] for i in order), dims) <= cap:
+        return [order]  # one microbatch holds them all
     # best[j]: (microbatches, padded tokens, start of the last run) of the best cutting of
     # order[:j]. The runs ending at j grow from the shortest; one past the cap ends the search
     # (a longer run pads at least as much).
@@ -137,8 +147,7 @@ def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[
         weight, dims = 0, None
         for i in range(j - 1, -1, -1):
             w, d = info[order[i]]
-            weight += w
-            dims = d if dims is None else tuple(map(max, dims, d))
+            weight, dims = weight + w, largest(dims, d)
             size = tokens(weight, dims)
             if size > cap and i < j - 1:
                 break

@@ -71,6 +71,19 @@ py::dict statsDict(const torch_odc::EngineStats& s) {
   return d;
 }
 
+py::dict gradientMemoryDict(const torch_odc::GradientMemoryTimes& t) {
+  py::dict d;
+  d["frees"] = t.frees;
+  d["restores"] = t.restores;
+  d["free_s"] = t.free_s;
+  d["free_wait_s"] = t.free_wait_s;
+  d["allocate_s"] = t.allocate_s;
+  d["open_s"] = t.open_s;
+  d["restore_wait_s"] = t.restore_wait_s;
+  d["restore_s"] = t.restore_s;
+  return d;
+}
+
 // A reduce op as FSDP2 passes it: a ReduceOp.RedOpType (SUM, AVG) without pybind's implicit
 // conversion, or a ReduceOp (PREMUL_SUM with its factor).
 c10d::ReduceOp toReduceOp(const py::handle& op) {
@@ -301,17 +314,7 @@ void bindEngineStats(BackendClass& cls) {
                               (resident ? layout.accumRegionBytes() - layout.accumBytes() : 0);
     d["memory"] = memory;
     // Host seconds of free_gradient_memory / restore_gradient_memory, summed over the calls.
-    const auto gm = e.gradientMemoryTimes();
-    py::dict gmd;
-    gmd["frees"] = gm.frees;
-    gmd["restores"] = gm.restores;
-    gmd["free_s"] = gm.free_s;
-    gmd["free_wait_s"] = gm.free_wait_s;
-    gmd["allocate_s"] = gm.allocate_s;
-    gmd["open_s"] = gm.open_s;
-    gmd["restore_wait_s"] = gm.restore_wait_s;
-    gmd["restore_s"] = gm.restore_s;
-    d["gradient_memory"] = gmd;
+    d["gradient_memory"] = gradientMemoryDict(e.gradientMemoryTimes());
     d["current"] = statsDict(e.currentStats());
     d["last"] = statsDict(e.lastStats());
     d["total"] = statsDict(e.totalStats());

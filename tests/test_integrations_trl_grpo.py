@@ -17,6 +17,7 @@ A tiny Llama built from a config, a word-level tokenizer built in memory: nothin
 downloaded."""
 
 import functools
+import math
 import os
 import random
 import tempfile
@@ -412,6 +413,23 @@ def test_left_padded_widths_avoid_the_cudnn_nan_lengths(multiple):
             assert plain[1] <= cw < plain[1] + 128
             moved += cw != plain[1]
     assert (moved > 0) == (multiple % 128 != 0)  # the guard is exercised, never at 128
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 48])
+def test_left_padded_widths_round_the_length_with_prompt_columns(multiple):
+    """ODC's length multiple (128 on CUDA by default): the completion keeps TRL's rounded width
+    (the logits of the completion cost per column), left padding makes up the length, by
+    fewer columns than the least common multiple."""
+    from torch_odc.integrations.hf._steps import left_padded_widths, round_up
+
+    step = math.lcm(multiple, 128)
+    for prompt in range(1, 300, 7):
+        for completion in range(0, 260, 3):
+            plain = (round_up(prompt, multiple), round_up(max(1, completion), multiple))
+            for cuda in (False, True):
+                pw, cw = left_padded_widths(prompt, completion, multiple, cuda, 128)
+                assert cw == plain[1] and pw % multiple == 0 and (pw + cw) % 128 == 0
+                assert plain[0] <= pw < plain[0] + step, (prompt, completion, pw, cw)
 
 
 def test_refusals_name_the_option():

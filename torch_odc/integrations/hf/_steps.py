@@ -84,14 +84,20 @@ def round_up(n: int, multiple: int) -> int:
 CUDNN_NAN_MODULUS, CUDNN_NAN_REMAINDER = 128, 64
 
 
-def left_padded_widths(prompt: int, completion: int, multiple: int,
-                       cuda: bool) -> tuple[int, int]:
+def left_padded_widths(prompt: int, completion: int, multiple: int, cuda: bool,
+                       length_multiple: int = 1) -> tuple[int, int]:
     """A left-padded microbatch's prompt and completion widths (GRPO's layout) from its longest
-    of each: at least one completion column, each rounded up to ``multiple``; on CUDA, as many
-    more completion columns (``multiple`` at a time; right padding, masked) as keep the length
-    off 64 modulo 128, the lengths at which cuDNN's attention backward gives NaN gradients for
+    of each: at least one completion column, each rounded up to ``multiple`` (TRL's
+    ``pad_to_multiple_of``); then as many more prompt columns (left padding, masked;
+    ``multiple`` at a time) as make the length, prompt plus completion, a multiple of
+    ``length_multiple`` (ODC's: few distinct lengths for cuDNN's plans; the padding goes where
+    only the model's body pays for it, not the logits of the completion); on CUDA, as many more
+    completion columns (``multiple`` at a time; right padding, masked) as keep the length off
+    64 modulo 128, the lengths at which cuDNN's attention backward gives NaN gradients for
     left-padded rows (see ``CUDNN_NAN_MODULUS``)."""
     pw, cw = round_up(prompt, multiple), round_up(max(1, completion), multiple)
+    while (pw + cw) % length_multiple:
+        pw += multiple
     while cuda and (pw + cw) % CUDNN_NAN_MODULUS == CUDNN_NAN_REMAINDER:
         cw += multiple  # a multiple of 128 never lands here; 64 and any other leave at once
     return pw, cw

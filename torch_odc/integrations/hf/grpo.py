@@ -345,15 +345,15 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_widths(self, prompt: int, completion: int) -> tuple[int, int]:
         """A microbatch's prompt and completion widths from its longest of each: at least one
-        completion column, each rounded up to the least common multiple of TRL's
-        ``pad_to_multiple_of`` and ``ODCConfig.pad_to_multiple_of`` (None: ``AUTO_MULTIPLE``
-        on CUDA, else 1), never 64 modulo 128 in all on CUDA (``left_padded_widths``)."""
+        completion column, each rounded up to TRL's ``pad_to_multiple_of``, and the length
+        (prompt plus completion, by more left padding) to ``ODCConfig.pad_to_multiple_of``
+        (None: ``AUTO_MULTIPLE`` on CUDA, else 1); never 64 modulo 128 on CUDA
+        (``left_padded_widths``)."""
         want = self.odc.pad_to_multiple_of
         cuda = self.args.device.type == "cuda"
         if want is None:
             want = self.AUTO_MULTIPLE if cuda else 1
-        m = math.lcm(self.pad_to_multiple_of or 1, want)
-        return left_padded_widths(prompt, completion, m, cuda)
+        return left_padded_widths(prompt, completion, self.pad_to_multiple_of or 1, cuda, want)
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the

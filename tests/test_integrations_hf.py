@@ -106,19 +106,20 @@ def tokenizer():
                                    pad_token="t0", eos_token="t1", bos_token="t1")
 
 
-def common_args(odc: bool, cuda: bool = False) -> dict:
+def common_args(odc: bool, cuda: bool = False, per_device: int | None = None) -> dict:
     args = {"output_dir": tempfile.mkdtemp(prefix="odc-hf-"), "num_train_epochs": 1,
             "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
             "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
             "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
             "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
-            "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD}
+            "per_device_train_batch_size":
+                per_device or (PER_DEVICE if odc else PER_DEVICE * WORLD)}
     if odc:
         args.update(fsdp=True, fsdp_config={"version": 2})
     return args
 
 
-def train(kind: str, odc: bool, cuda: bool = False) -> dict:
+def train(kind: str, odc: bool, cuda: bool = False, per_device: int | None = None) -> dict:
     """One training run of `kind` ("full", "lora", "sft"); with `odc` on this rank of the odc
     group, else alone; on CPU or the current GPU. Returns the full parameters (on CPU), the log
     history and ODC's step counts."""
@@ -141,14 +142,15 @@ def train(kind: str, odc: bool, cuda: bool = False) -> dict:
         cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
         trainer = cls(model=model, processing_class=tokenizer(),
                       train_dataset=datasets.Dataset.from_list(data),
-                      args=SFTConfig(**common_args(odc, cuda), max_length=None,
+                      args=SFTConfig(**common_args(odc, cuda, per_device), max_length=None,
                                      dataset_kwargs={"skip_prepare_dataset": True}), **extra)
     else:
         cls = odc_trainer(Trainer) if odc else Trainer
         # Full fine-tuning also counts the input tokens seen (the Trainer gathers them per
         # microbatch; the module once per step).
         tokens = {"include_num_input_tokens_seen": "non_padding"} if kind == "full" else {}
-        trainer = cls(model=model, args=TrainingArguments(**common_args(odc, cuda), **tokens),
+        trainer = cls(model=model,
+                      args=TrainingArguments(**common_args(odc, cuda, per_device), **tokens),
                       train_dataset=data, data_collator=collate, **extra)
     trainer.train()
     params = full_params(trainer.model)
@@ -188,13 +190,18 @@ except ImportError:  # the SFTTrainer case needs TRL
 
 
 @functools.cache
+def references(kinds: tuple = tuple(KINDS), cuda: bool = False):
+    with environ(ONE_GPU if cuda else None):
+        return run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
+                         cuda=cuda)[0]
+
+
+@functools.cache
 def runs(kinds: tuple = tuple(KINDS), cuda: bool = False):
     # On one GPU the 2 ranks share it: the Trainer's own CUDA collectives (grad norm, loss
     # gather) go through Gloo, since NCCL refuses two ranks on one device.
     env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
-    with environ(ONE_GPU if cuda else None):
-        reference = run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
-                              cuda=cuda)[0]
+    reference = references(kinds, cuda)
     odc = run_ranks(WORLD, _odc_ranks, list(kinds), cuda, timeout=600, cuda=cuda, env=env)
     return reference, odc
 
@@ -314,6 +321,53 @@ def test_a_collective_per_microbatch_in_compute_loss_is_named_not_hung():
     assert time.monotonic() - start < 200.0
     assert errors[1] is not None and "different numbers of collectives" in errors[1], errors
     assert "ALLREDUCE" in errors[1], errors[1]
+
+
+def _one_rank(rank, world):
+    import warnings
+
+    _set_rank_env(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train("auto", odc=True, per_device=PER_DEVICE * WORLD)
+    out["warned"] = [str(w.message) for w in caught if "torch_odc.attach" in str(w.message)]
+    return out
+
+
+def test_one_rank_trains_like_the_unmodified_trainer():
+    # torchrun --nproc-per-node 1: attach keeps FSDP2's path (nothing to communicate), the
+    # barrier does nothing, and the ODC trainer's steps are the unmodified trainer's.
+    want = references()["auto"]
+    out = run_ranks(1, _one_rank)[0]
+    assert any("a group of one rank" in w for w in out["warned"]), out["warned"]
+    initial = {n: p.detach() for n, p in build_model(False).named_parameters()}
+    assert_params_match(want, out, initial, 0, ATOL, out["trainable"])
+    assert len(out["logs"]) == len(want["logs"]) == STEPS
+    for got, ref in zip(out["logs"], want["logs"], strict=True):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)
+
+
+def _two_hosts(rank, world):
+    _set_rank_env(rank, world)
+    os.environ["ODC_HOST_ID"] = f"host{rank}"  # attach sees two hosts: no one-sided access
+    try:
+        train("full", odc=True)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_on_two_hosts_are_refused_not_hung():
+    # The ODC trainer runs uneven microbatch counts; under FSDP2's collectives they would hang.
+    import time
+
+    start = time.monotonic()
+    errors = run_ranks(WORLD, _two_hosts, pg_timeout=30.0, timeout=240.0)
+    assert time.monotonic() - start < 200.0
+    for rank, err in enumerate(errors):
+        assert err is not None and f"(rank {rank}): ODC cannot serve" in err, errors
+        assert "spans 2 hosts" in err and "unmodified trainer" in err, err
 
 
 # ---- evaluation while attached ------------------------------------------------------------------

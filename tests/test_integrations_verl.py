@@ -104,6 +104,22 @@ def test_rank_with_a_single_short_sequence(runs):
     assert [s["sequences"] for s in runs["ranks"][1]["single_odc"]["steps"]] == [1, 1]
 
 
+def test_ranks_on_two_hosts_run_verls_own_path(runs):
+    # attach cannot serve ranks of two hosts on demand: it warns, and the engine runs verl's
+    # equal counts over FSDP2's collectives (every logged value as verl's, no ODC step).
+    _compare(runs, "hosts_odc", "actor_ref", all_metrics_calls=(0, 1))
+    for rank in runs["ranks"]:
+        assert rank["hosts_odc"]["steps"] == []
+        assert any("spans 2 hosts" in w for w in rank["hosts_odc"]["warned"]), rank["hosts_odc"]
+
+
+def test_one_rank_runs_verls_own_path(runs):
+    one = {"ranks": [{"ref": runs["one_rank"]["ref"], "odc": runs["one_rank"]["odc"]}]}
+    _compare(one, "odc", "ref", all_metrics_calls=(0,))
+    assert runs["one_rank"]["odc"]["steps"] == []
+    assert any("one rank" in w for w in runs["one_rank"]["odc"]["warned"])
+
+
 def test_reference_model_is_not_refused(runs):
     # verl's ref.strategy follows actor.strategy: a forward-only "odc" engine is built inactive
     # and runs as verl's FSDP2 engine (verl offloads it with pinned memory: GPUs only).

@@ -295,6 +295,27 @@ def train_batch_run(rank, world, strategy, model_path, responses, split, seed, o
     return result
 
 
+def fallback_run(rank, world, model_path, dispatched, seed) -> dict:
+    """An "odc" actor where attach cannot serve the model on demand: what it warned, and the
+    run (mini_batch_run)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = mini_batch_run(rank, world, "odc", False, model_path, dispatched, seed, {})
+    result["warned"] = [str(w.message) for w in caught if "torch_odc.attach" in str(w.message)]
+    return result
+
+
+def one_rank(rank, world, model_path) -> dict:
+    """verl on one rank (torchrun --nproc-per-node 1): verl's FSDP2 engine and the "odc" one,
+    which keeps FSDP2's own path (a group of one rank has nothing to communicate)."""
+    torch_threads_and_env(rank, world)
+    dispatched = [[[r for part in UNEVEN for r in part]]]  # every row on the one rank
+    return {"ref": mini_batch_run(rank, world, "fsdp2", False, model_path, dispatched, 50, {}),
+            "odc": fallback_run(rank, world, model_path, dispatched, 50)}
+
+
 def reference_engine(model_path: str) -> dict:
     """A forward-only engine (verl's reference model; ref.strategy follows actor.strategy) with
     strategy "odc": built, not refused, and inactive (it runs as verl's FSDP2 engine). verl
@@ -337,12 +358,16 @@ SKEWED = [[23, 2, 3, 2, 24, 3, 2, 2], [2, 3, 2, 2, 3, 2, 2, 3]]
 SINGLE = [20, 22, 3, 21, 19, 23]
 
 
-def ranks(rank: int, world: int, model_path: str) -> dict:
+def torch_threads_and_env(rank: int, world: int) -> None:
     import torch
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")  # verl's Worker reads these; the group already exists
+
+
+def ranks(rank: int, world: int, model_path: str) -> dict:
+    torch_threads_and_env(rank, world)
     out, timings = {}, {}
 
     def timed(name, fn, *args, **kwargs):
@@ -365,6 +390,13 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
           [[0, 1, 2], [3, 4, 5]], 30, {})
     timed("single_odc", train_batch_run, rank, world, "odc", model_path, SINGLE,
           [[0, 1, 3, 4, 5], [2]], 30, {})
+    # Ranks on two hosts (ODC_HOST_ID): attach keeps FSDP2's collectives, and the engine runs
+    # verl's own path (equal counts) instead of ODC's.
+    os.environ["ODC_HOST_ID"] = f"host{rank}"
+    try:
+        timed("hosts_odc", fallback_run, rank, world, model_path, actor_data, 10)
+    finally:
+        del os.environ["ODC_HOST_ID"]
     out["reference"] = reference_engine(model_path)
     out["refused_sp"] = refused(model_path, ulysses_sequence_parallel_size=2)
     out["refused_offload"] = refused(model_path, offload_policy=True)
@@ -383,6 +415,8 @@ def main() -> None:
         t0 = time.perf_counter()
         results = run_ranks(2, ranks, model_path, backend="gloo", timeout=600.0,
                             pg_timeout=120.0)
+        single = run_ranks(1, one_rank, model_path, backend="gloo", timeout=300.0,
+                           pg_timeout=120.0)[0]
         wall = time.perf_counter() - t0
     import torch
     import transformers
@@ -393,7 +427,8 @@ def main() -> None:
     versions = {"verl": verl.__version__, "torch": torch.__version__,
                 "transformers": transformers.__version__, "torch_odc": torch_odc.__file__}
     with open(target, "w") as f:
-        json.dump({"ranks": results, "wall_s": wall, "versions": versions}, f)
+        json.dump({"ranks": results, "one_rank": single, "wall_s": wall,
+                   "versions": versions}, f)
 
 
 if __name__ == "__main__":

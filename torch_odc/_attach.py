@@ -39,6 +39,11 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     publishes this rank's shard of every module (after the optimizer step, before any layer
     runs), so that peers never wait for this rank to reach a module. With False each shard is
     published at this rank's own first all-gather of its module.
+
+    Where one-sided access cannot run (a group of one rank, ranks on several hosts without an
+    HSDP mesh, no transport for the device) attach warns and leaves the model on FSDP2's own
+    collectives: the handle's ``on_demand`` is False, ``collective_reason`` says why, its barrier
+    does nothing, and the ranks must run equal numbers of microbatches as under FSDP2.
     """
     try:
         found = _fsdp2.units(model)
@@ -75,6 +80,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
             stacklevel=2,
         )
         handle._attached = False
+        handle.collective_reason = reason
         return handle
     backend._connect_engine([k.spec() for k in entries],
                             device.index if device.type == "cuda" else -1)

@@ -36,6 +36,8 @@ class Handle:
             key.clock = self._clocks["unit_pre_forward"]
             key.grad_clock = self._clocks["grad_hook"]
         self._attached = True
+        # Why attach left this model on FSDP2's own collectives (None: served on demand).
+        self.collective_reason: str | None = None
         self._eager = eager_publish
         self._publish_pending = eager_publish  # no forward has run in this minibatch yet
         # Every key published in this minibatch; else those published so far (by index).
@@ -53,6 +55,13 @@ class Handle:
         self._entered = False
         # The generation of the accumulators the keys view (set by attach).
         self._accumulator_generation = None
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether ODC serves this model's all-gathers and reduce-scatters (False after
+        :meth:`detach`, and when attach kept FSDP2's collective semantics for it: the reason is
+        ``collective_reason``). Only then may ranks run different numbers of microbatches."""
+        return self._attached
 
     @property
     def keys(self) -> list[str]:
@@ -89,6 +98,8 @@ class Handle:
             self._clocks["barrier"].s += perf_counter() - t0
 
     def _barrier(self) -> None:
+        if self.collective_reason is not None:
+            return  # FSDP2 reduced every microbatch's gradients itself (as attach warned)
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
         self._check_barrier()
@@ -361,6 +372,9 @@ class Handle:
         self._stepped.add(id(optimizer))
 
     def stats(self) -> dict:
+        if self.collective_reason is not None:  # nothing of the engine's: FSDP2's own path
+            return {"on_demand": False, "collective_reason": self.collective_reason,
+                    "memory": {}, "gradient_memory": {}, "host_by_kind_s": {}, "host_s": 0.0}
         out = self._backend._stats()
         out["host_by_kind_s"] = {kind: c.s for kind, c in self._clocks.items()}
         out["host_s"] = sum(out["host_by_kind_s"].values())  # see _HostClock

@@ -40,7 +40,8 @@ class StepProbe:
     """``profile_steps``: steps (1-based, as logged) to run under torch.profiler (CPU and CUDA
     activity, from the end of the step before to the end of the step); each such step's record
     gets ``profile``: per rank the ops of most self CPU time and of most self device time
-    (name, calls, self CPU ms, self device ms), the CUDA runtime's allocation calls among them.
+    (name, calls, self CPU ms, self device ms), the CUDA runtime's allocation calls among them,
+    and how long the device was busy (``_busy``).
     The profiler slows the steps it covers: for finding where a step's time goes, not rates."""
 
     TOP = 15
@@ -114,11 +115,32 @@ class StepProbe:
         def top(key):
             return [row(e) for e in sorted(events, key=key, reverse=True)[:cls.TOP]]
 
-        return {"columns": ["op", "calls", "self_cpu_ms", "self_device_ms"],
+        return {**cls._busy(profiler),
+                "columns": ["op", "calls", "self_cpu_ms", "self_device_ms"],
                 "cpu": top(lambda e: e.self_cpu_time_total),
                 "device": top(lambda e: getattr(e, "self_device_time_total", 0.0)),
                 "allocation": [row(e) for e in events
                                if e.key.startswith(("cudaMalloc", "cudaFree", "cuMem"))]}
+
+    @staticmethod
+    def _busy(profiler) -> dict:
+        """``device_busy_ms``: the time any kernel or copy ran (the union of their intervals),
+        ``device_span_ms``: from the first's start to the last's end; their ratio is how busy the
+        device was while the step ran on it (the rest: waiting for the host or a peer)."""
+        from torch.autograd import DeviceType
+
+        spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
+                       if e.device_type == DeviceType.CUDA)
+        if not spans:
+            return {}
+        busy, start, end = 0.0, spans[0][0], spans[0][1]
+        for a, b in spans[1:]:
+            if a > end:
+                busy, start = busy + end - start, a
+            end = max(end, b)
+        busy += end - start
+        return {"device_busy_ms": round(busy / 1e3, 3),
+                "device_span_ms": round((max(b for _, b in spans) - spans[0][0]) / 1e3, 3)}
 
     @staticmethod
     def _allocator() -> dict:

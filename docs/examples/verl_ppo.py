@@ -40,6 +40,7 @@ if not torch.cuda.is_available():  # before verl picks its platform
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
 
+import _step_probe as step_probe
 import torch.distributed as dist
 
 import torch_odc
@@ -74,6 +75,7 @@ def parse():
                    help="parameters in the forward (default: bf16 on GPUs, fp32 on CPU)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=None, help="directory for the JSON log")
+    step_probe.add_arguments(p)
     return p.parse_args()
 
 
@@ -196,6 +198,7 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     worker = make_worker(args, strategy, path)
     worker.set_loss_fn(actor_loss())
     steps = []
+    probe = step_probe.StepProbe(args.profile_steps)
     for step in range(args.steps):
         td, seqlens = rollout_batch(args, step)
         data = dispatch(td, seqlens, world, rank)
@@ -214,6 +217,7 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        probe.step()
         metrics = tu.get(out, "metrics")
         odc = getattr(worker.engine, "odc_steps", [])
         ran, worked = [None] * world, [None] * world
@@ -235,6 +239,8 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
             print(f"[{strategy:5}] step {step}: {seconds:7.3f} s  microbatches per rank "
                   f"{s['ran']} (needed {s['needed']})  loss {s['loss']:+.6f}  "
                   f"grad_norm {s['grad_norm']:.6f}", flush=True)
+    for s, probed in zip(steps, probe.gather_max()):
+        s.update(probed)
     from torch.distributed.tensor import DTensor
 
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
@@ -278,7 +284,10 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("cpu:gloo,cuda:nccl")  # what verl's workers initialize
+        # What verl's workers initialize; with ODC_CUDA_COLLECTIVES=gloo (ranks sharing a GPU,
+        # which NCCL refuses, for profiling ODC's path on one GPU) CUDA tensors go through Gloo.
+        cuda = "gloo" if os.environ.get("ODC_CUDA_COLLECTIVES") == "gloo" else "nccl"
+        dist.init_process_group(f"cpu:gloo,cuda:{cuda}")
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dist.init_process_group("gloo")

@@ -306,7 +306,16 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 "torch_odc.integrations.hf: accelerate did not shard the model with FSDP2 "
                 f"(distributed type {self.accelerator.distributed_type}); check fsdp and "
                 "fsdp_config={'version': 2} in the training arguments")
-        self._odc_handle = torch_odc.attach(self.model, eager_publish=self.odc.eager_publish)
+        handle = torch_odc.attach(self.model, eager_publish=self.odc.eager_publish)
+        if not handle.on_demand and self.args.world_size > 1:
+            # FSDP2's collectives would run in every microbatch, and this adapter's ranks run
+            # different numbers of them: a hang, or gradients reduced over mismatched calls.
+            raise RuntimeError(
+                f"torch_odc.integrations.hf (rank {self.args.process_index}): ODC cannot serve "
+                f"this model on demand here ({handle.collective_reason}), and the ODC trainer "
+                "runs different numbers of microbatches per rank, which FSDP2's collectives "
+                "cannot: train with the unmodified trainer in this setup")
+        self._odc_handle = handle
 
     def _odc_detach(self) -> None:
         if self._odc_handle is not None:

@@ -166,6 +166,10 @@ class ODCEngineMixin:
         module = super()._build_fsdp_module(module)
         if self.odc_active:
             self.odc_handle = torch_odc.attach(module, eager_publish=self.odc_eager_publish)
+            if not self.odc_handle.on_demand:
+                # attach warned why (one rank, ranks on several hosts, no transport): FSDP2's
+                # collectives run every microbatch, so verl's own path (equal counts) runs.
+                self.odc_active = False
         return module
 
     # -- one mini-batch: this rank's microbatches, the barrier, the metrics ---------------------
@@ -219,12 +223,13 @@ class ODCEngineMixin:
     def optimizer_step(self):
         # Every rank's gradients are complete only after the barrier: verl's clipping (a
         # collective over them), the GradScaler and the step come after it.
-        self.odc_handle.barrier()
+        if self.odc_active:
+            self.odc_handle.barrier()
         return super().optimizer_step()
 
     def train_batch(self, data, loss_function):
         outputs = super().train_batch(data, loss_function)
-        if "metrics" in outputs:
+        if self.odc_active and "metrics" in outputs:
             _reduce_metrics(outputs["metrics"], self.get_data_parallel_group())
         return outputs
 

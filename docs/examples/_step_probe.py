@@ -46,8 +46,9 @@ class StepProbe:
 
     TOP = 15
 
-    def __init__(self, profile_steps=()):
+    def __init__(self, profile_steps=(), device_only: bool = False):
         self.profile_steps = set(profile_steps)
+        self.device_only = device_only  # CUDA activity only (no host ops)
         self._profiler = None
         if 1 in self.profile_steps:
             self._start_profiler()
@@ -98,7 +99,8 @@ class StepProbe:
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU]
+        activities = [] if self.device_only and torch.cuda.is_available() else \
+            [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(activities=activities)

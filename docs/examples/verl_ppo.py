@@ -76,6 +76,9 @@ def parse():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=None, help="directory for the JSON log")
     step_probe.add_arguments(p)
+    p.add_argument("--profile-device-only", action="store_true",
+                   help="profile kernels and copies only (a step of many host ops otherwise "
+                   "takes minutes to summarize)")
     return p.parse_args()
 
 
@@ -198,7 +201,7 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     worker = make_worker(args, strategy, path)
     worker.set_loss_fn(actor_loss())
     steps = []
-    probe = step_probe.StepProbe(args.profile_steps)
+    probe = step_probe.StepProbe(args.profile_steps, device_only=args.profile_device_only)
     for step in range(args.steps):
         td, seqlens = rollout_batch(args, step)
         data = dispatch(td, seqlens, world, rank)
@@ -283,7 +286,8 @@ def main() -> None:
     args = parse()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        # (ranks sharing a GPU: LOCAL_RANK modulo the GPUs)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         # What verl's workers initialize; with ODC_CUDA_COLLECTIVES=gloo (ranks sharing a GPU,
         # which NCCL refuses, for profiling ODC's path on one GPU) CUDA tensors go through Gloo.
         cuda = "gloo" if os.environ.get("ODC_CUDA_COLLECTIVES") == "gloo" else "nccl"

@@ -622,6 +622,35 @@ def test_a_world_of_one_rank_keeps_fsdp2s_own_path():
         torch.testing.assert_close(got[key], ref, rtol=0, atol=2e-5)
 
 
+def _handle_state(rank, world):
+    """What a handle says of itself after attach, after its barrier, and after detach."""
+    import torch_odc
+
+    model = sharded({}, world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = torch_odc.attach(model)
+    attached = (handle.on_demand, handle.collective_reason)
+    handle.barrier()  # on one rank: nothing to do (FSDP2's own path), and no error
+    stats = handle.stats()
+    handle.detach()
+    return {"attached": attached, "stats_on_demand": stats.get("on_demand", True),
+            "memory": stats["memory"], "detached": handle.on_demand}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_handle_says_whether_odc_serves_it_on_demand(world):
+    for got in run_ranks(world, _handle_state):
+        on_demand, reason = got["attached"]
+        if world == 1:
+            assert not on_demand and "a group of one rank" in reason, got
+            assert not got["stats_on_demand"] and got["memory"] == {}, got
+        else:
+            assert on_demand and reason is None and got["stats_on_demand"], got
+            assert sum(got["memory"].values()) > 0, got
+        assert got["detached"] is False, got
+
+
 def _misuse(rank, world, kind):
     """Returns (error text or None, parameters unchanged by the refused call)."""
     import torch_odc

@@ -13,6 +13,9 @@
 // B: bytes each process allocates (and fills) before the rounds and holds, as a training
 // process holds its model and caches (default 0); M: anonymous host mappings each process
 // makes first (default 0).
+//   IPC_BYTES=K /tmp/probe_vmm_map ...  # the ipc mode allocates K bytes (K <= N, any K: not
+//                                       # rounded to 2 MiB as N is), to time a size that is not
+//                                       # a whole number of 2 MiB pages
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
@@ -99,6 +102,12 @@ CUmemAllocationProp prop() {
   return p;
 }
 
+// The bytes the ipc mode allocates: IPC_BYTES if set, else n.
+size_t ipcBytes(size_t n) {
+  const char* e = std::getenv("IPC_BYTES");
+  return e ? std::strtoull(e, nullptr, 10) : n;
+}
+
 void access(CUdeviceptr p, size_t n) {
   CUmemAccessDesc d{};
   d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -140,8 +149,9 @@ void owner(int sock, size_t n, size_t ballast) {
       CUmemGenericAllocationHandle h = 0;
       CUdeviceptr va = 0;
       auto t = std::chrono::steady_clock::now();
+      const size_t bytes = mode == 0 ? ipcBytes(n) : n;
       if (mode == 0) {
-        rt(cudaMalloc(&base, n), "cudaMalloc");
+        rt(cudaMalloc(&base, bytes), "cudaMalloc");
       } else {
         CUmemAllocationProp p = prop();
         drv(cuMemCreate(&h, n, &p, 0), "cuMemCreate");
@@ -150,7 +160,7 @@ void owner(int sock, size_t n, size_t ballast) {
         access(va, n);
         base = reinterpret_cast<void*>(va);
       }
-      rt(cudaMemset(base, 0x10 + r, n), "cudaMemset");
+      rt(cudaMemset(base, 0x10 + r, bytes), "cudaMemset");
       rt(cudaDeviceSynchronize(), "sync");
       const double alloc = ms(t);
       t = std::chrono::steady_clock::now();
@@ -215,7 +225,9 @@ void importer(int sock, size_t n, size_t ballast) {
     }
     unsigned char word[8] = {};
     t = std::chrono::steady_clock::now();
-    rt(cudaMemcpy(word, static_cast<unsigned char*>(p) + n - 8, 8, cudaMemcpyDeviceToHost), "read");
+    const size_t bytes = m.mode == 0 ? ipcBytes(n) : n;
+    rt(cudaMemcpy(word, static_cast<unsigned char*>(p) + bytes - 8, 8, cudaMemcpyDeviceToHost),
+       "read");
     const double first_ms = ms(t);
     const bool ok = word[0] == 0x10 + m.round && word[7] == 0x10 + m.round;
     t = std::chrono::steady_clock::now();
@@ -252,9 +264,9 @@ int main(int argc, char** argv) {
   const size_t ballast = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 0;
   const long host_maps = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 0;
   mapHost(host_maps);  // before the fork: both processes have them
-  std::printf("# %zu bytes (%.2f GiB), %d rounds per mode, %.2f GiB held by each process, "
-              "%ld host mappings made\n", n, n / double(1 << 30), kRounds,
-              ballast / double(1 << 30), host_maps);
+  std::printf("# %zu bytes (%.2f GiB; ipc mode: %zu), %d rounds per mode, %.2f GiB held by "
+              "each process, %ld host mappings made\n", n, n / double(1 << 30), ipcBytes(n),
+              kRounds, ballast / double(1 << 30), host_maps);
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return 4;
   const pid_t child = fork();

@@ -39,7 +39,10 @@ and the update phase (the rest: what ODC changes) apart. The planner's bound: th
 measured steps of the slowest rank's padded tokens as the unmodified trainer runs them, over the
 same under ODC's plan (each step's work is proportional to its padded tokens), the speed-up that
 balancing alone allows on this data. For GRPO the bound and the row's speed-up are the update
-phase's.
+phase's. Work is not only padded tokens: ``fixed_cost_bound`` fits one line, seconds = fixed +
+per-token cost times the slowest rank's padded tokens, to both variants' measured steps, and
+reports the bound with that fixed part counted (``bound_with_fixed_cost`` in the row): what
+balancing can reach when each step also does work that no plan shrinks.
 
 Modes. ``MODES`` maps a name to a :class:`Mode`: the example script, its log file, its
 arguments on GPUs and for the CPU smoke test, the variants (name -> extra arguments) and the
@@ -119,6 +122,49 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
         odc = sum(max(s["padded_per_rank"]) for s in steps)
         out["bound"] = plain / odc if odc else None
     return out
+
+
+def fixed_cost_bound(odc_steps: list[dict], plain_steps: list[dict]) -> dict | None:
+    """The planner's bound with the step's fixed work counted. One line, seconds = fixed +
+    per_token * (the slowest rank's padded tokens), fitted by least squares to both variants'
+    measured steps (the update phase where there is one): plain's at its padded tokens, ODC's at
+    its own (the same steps, the same data). The fixed part is what balancing cannot shrink (the
+    optimizer step, per-step host work, the exchange); the bound is then the sum over the steps
+    of the line at plain's padded tokens over the same at ODC's. None without the padding
+    record, with fewer than 3 steps, or when the line does not explain the steps (r2 below 0.8,
+    or a negative fixed part: steps whose time is not their padded tokens', e.g. host-bound)."""
+    plain_by_step = {s["step"]: s for s in plain_steps}
+    pairs = [(o, plain_by_step[o["step"]]) for o in odc_steps
+             if o["step"] in plain_by_step and "padded_per_rank" in o]
+    if len(pairs) < 3:
+        return None
+
+    def seconds(s):
+        return s["seconds"] - s.get("rollout_seconds", 0.0)
+
+    xs_odc = [max(o["padded_per_rank"]) for o, _ in pairs]
+    xs_plain = [max(o["plain_padded_per_rank"]) for o, _ in pairs]
+    x = xs_odc + xs_plain
+    y = [seconds(o) for o, _ in pairs] + [seconds(p) for _, p in pairs]
+    n, mx, my = len(x), sum(x) / len(x), sum(y) / len(y)
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        return None
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
+    fixed = my - slope * mx
+    residual = sum((b - fixed - slope * a) ** 2 for a, b in zip(x, y))
+    total = sum((b - my) ** 2 for b in y)
+
+    r2 = 1 - residual / total if total else 0.0
+    if r2 < 0.8 or fixed < 0:
+        return None
+
+    def line(xs):
+        return sum(fixed + slope * a for a in xs)
+
+    return {"fixed_seconds": fixed, "seconds_per_1k_padded_tokens": 1000 * slope,
+            "r2": r2, "points": n,
+            "bound": line(xs_plain) / line(xs_odc)}
 
 
 SFT_GPU = ["--size", "1b", "--steps", "14", "--per-device-batch", "2", "--accumulation", "4",
@@ -392,6 +438,17 @@ def main() -> None:
         odc, plain = summary["odc"], summary["plain"]
         ratio = odc[key] / plain[key]
         print(f"odc / plain {key}: {ratio:.3f}")
+        fixed = fixed_cost_bound(results["odc"]["steps"][warmup:],
+                                 results["plain"]["steps"][warmup:])
+        if fixed:
+            odc["fixed_cost_bound"] = fixed
+            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+                json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
+                                  partial=False), f, indent=1)
+            print(f"seconds = {fixed['fixed_seconds']:.3f} + "
+                  f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
+                  f"slowest rank (both variants, r2 {fixed['r2']:.3f}): bound with the fixed "
+                  f"part {fixed['bound']:.3f}, reached {ratio / fixed['bound']:.1%}")
         if f"steady_{key}" in odc and f"steady_{key}" in plain:
             print(f"without Triton compilation (odc {odc['jit_seconds']:.1f} s, plain "
                   f"{plain['jit_seconds']:.1f} s in the measured steps): "
@@ -406,6 +463,8 @@ def main() -> None:
                 "base_tokens_per_s_per_gpu": plain[key], "speedup": ratio,
                 "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
                 "bound": odc.get("bound"), "metric": key,
+                **({"bound_with_fixed_cost": fixed["bound"],
+                    "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
                 "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
                 **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
                     "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}

@@ -72,3 +72,36 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
             record["summary"][variant]["tokens_per_s_per_gpu"])
     for s in record["runs"]["odc"]["steps"]:
         assert [len(h["microbatches"]) for h in s["host_seconds"]] == s["microbatches"], s
+
+
+def test_the_fixed_cost_bound_recovers_a_known_line():
+    """Steps timed exactly as 0.15 s + 0.03 s per 1k padded tokens of the slowest rank: the fit
+    gives that line back, and the bound with the fixed part counted is the line's ratio (below
+    the padded-token ratio, which ignores the fixed part)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_trl import fixed_cost_bound
+
+    def secs(tokens):
+        return 0.15 + 3e-5 * tokens
+
+    odc_pad = [[9000, 8800], [12000, 12100], [6000, 5900], [15000, 14000]]
+    plain_pad = [[4000, 17000], [9000, 20000], [12000, 3000], [30000, 1000]]
+    odc = [{"step": i, "padded_per_rank": o, "plain_padded_per_rank": p,
+            "seconds": 2.0 + secs(max(o)), "rollout_seconds": 2.0}
+           for i, (o, p) in enumerate(zip(odc_pad, plain_pad))]
+    plain = [{"step": i, "seconds": 1.0 + secs(max(p)), "rollout_seconds": 1.0}
+             for i, p in enumerate(plain_pad)]
+    fit = fixed_cost_bound(odc, plain)
+    assert fit["fixed_seconds"] == pytest.approx(0.15)
+    assert fit["seconds_per_1k_padded_tokens"] == pytest.approx(0.03)
+    assert fit["r2"] == pytest.approx(1.0) and fit["points"] == 8
+    plain_s = sum(secs(max(p)) for p in plain_pad)
+    odc_s = sum(secs(max(o)) for o in odc_pad)
+    assert fit["bound"] == pytest.approx(plain_s / odc_s)
+    tokens = sum(max(p) for p in plain_pad) / sum(max(o) for o in odc_pad)
+    assert fit["bound"] < tokens
+    assert fixed_cost_bound(odc[:2], plain) is None  # too few steps to fit
+    # Times that do not follow the padded tokens (a host-bound step): no line, no bound.
+    for step, noise in zip(odc, [0.9, -0.4, 0.7, -0.8], strict=True):
+        step["seconds"] += noise
+    assert fixed_cost_bound(odc, plain) is None

@@ -296,12 +296,17 @@ void bindEngineStats(BackendClass& cls) {
     d["minibatch"] = e.epoch();
     // Device (or shared) memory this rank holds for ODC beside the model: shard caches,
     // accumulators, flags. Not part of torch.cuda.max_memory_allocated().
+    // Two allocations: the region (caches and control) and the accumulators, each as the
+    // transport allocates it (the CUDA one rounds up to whole 2 MiB pages).
     const auto& layout = e.layout();
     const bool resident = e.accumulatorsResident();
-    d["region_bytes"] = layout.accumBegin() + (resident ? layout.accumRegionBytes() : 0);
+    const auto& transport = e.transport();
+    const size_t region = transport.allocationBytes(layout.accumBegin());
+    const size_t accumulators = resident ? transport.allocationBytes(layout.accumRegionBytes()) : 0;
+    d["region_bytes"] = region + accumulators;
     // The region by use: published shard caches, gradient accumulators (FSDP2's sharded
     // .grad are views of them after the barrier), and the rest (control words, flags, lock
-    // words, alignment).
+    // words, alignment, the allocations' round-up).
     py::dict memory;
     // The caches' bytes that are the sharded parameters themselves (no second copy), and the
     // rest (a published copy).
@@ -310,8 +315,8 @@ void bindEngineStats(BackendClass& cls) {
     memory["published_cache_bytes"] = e.layout().cacheBytes() - adopted;
     // 0 while free_gradient_memory() has them returned.
     memory["accumulator_bytes"] = resident ? layout.accumBytes() : 0;
-    memory["control_bytes"] = layout.accumBegin() - layout.cacheBytes() +
-                              (resident ? layout.accumRegionBytes() - layout.accumBytes() : 0);
+    memory["control_bytes"] =
+        region - layout.cacheBytes() + (resident ? accumulators - layout.accumBytes() : 0);
     d["memory"] = memory;
     // Host seconds of free_gradient_memory / restore_gradient_memory, summed over the calls.
     d["gradient_memory"] = gradientMemoryDict(e.gradientMemoryTimes());

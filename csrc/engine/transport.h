@@ -168,6 +168,9 @@ class Transport {
   virtual bool peerAlive(int peer) = 0;
   // The CUDA device the region lives on, or -1 for host memory.
   virtual int deviceIndex() const { return -1; }
+  // The bytes it allocates for a region or accumulators of `bytes` (more where it rounds up):
+  // what stats() reports this rank holds.
+  virtual size_t allocationBytes(size_t bytes) const { return bytes; }
 };
 
 }  // namespace torch_odc

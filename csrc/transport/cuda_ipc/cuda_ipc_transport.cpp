@@ -59,6 +59,8 @@ CudaIpcTransport::CudaIpcTransport(int rank, int world, int device)
 
 CudaIpcTransport::~CudaIpcTransport() { close(); }
 
+size_t CudaIpcTransport::allocationBytes(size_t bytes) const { return exportedBytes(bytes); }
+
 void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
                                const RegionLayout& layout, std::chrono::milliseconds timeout) {
   DeviceGuard guard(device_);

@@ -100,6 +100,7 @@ class CudaIpcTransport : public Transport {
   void zeroLocal(size_t offset, size_t bytes, Stream stream) override;
   bool peerAlive(int peer) override;
   int deviceIndex() const override { return device_; }
+  size_t allocationBytes(size_t bytes) const override;
 
   // Raises if a device-side wait gave up or the watchdog recorded an error (called before every
   // keyed op, in Work::wait and in quiesce). Sticky: every later call raises too.

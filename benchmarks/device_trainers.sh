@@ -6,6 +6,8 @@
 #
 #   ODC_COMMIT=<commit> ODC_DEVICE_KIND=nvidia-h200-x4 OUT=$OUT \
 #     bash benchmarks/device_trainers.sh "grpo,verl" "grpo,verl"     # 2-GPU rows, 4-GPU rows
+#   (a device call ends at 600 s: with ~90 s of preparation, a GRPO row takes ~170 s and a verl
+#   row ~240-300 s, so split the rows over calls, e.g. "" grpo, then "" verl)
 #   carry [".whl"] (sft, dpo, grpo) and ".whl-verl/verl-gpu.tar" (verl)
 #
 # Trainers: sft, dpo, grpo (benchmarks/device_trl.sh) and verl (docs/examples/verl_gpu.sh setup,

@@ -34,6 +34,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
                     default=[], help="comma-separated steps to run under torch.profiler "
                     "(their records get the top ops; see _step_probe.py)")
+    ap.add_argument("--profile-trace", default=None, metavar="DIR",
+                    help="also write each profiled step's Chrome trace there, per rank "
+                    "(step<N>_rank<R>.json.gz; benchmarks/trace_phases.py reads them)")
 
 
 class StepProbe:
@@ -46,9 +49,11 @@ class StepProbe:
 
     TOP = 15
 
-    def __init__(self, profile_steps=(), device_only: bool = False):
+    def __init__(self, profile_steps=(), device_only: bool = False,
+                 trace_dir: str | None = None):
         self.profile_steps = set(profile_steps)
         self.device_only = device_only  # CUDA activity only (no host ops)
+        self.trace_dir = trace_dir  # each profiled step's Chrome trace, per rank
         self._profiler = None
         if 1 in self.profile_steps:
             self._start_profiler()
@@ -92,6 +97,13 @@ class StepProbe:
         if self._profiler is not None:
             self._profiler.stop()
             self.per_step[-1]["profile"] = self._summary(self._profiler)
+            if self.trace_dir:
+                import os
+
+                os.makedirs(self.trace_dir, exist_ok=True)
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._profiler.export_chrome_trace(os.path.join(
+                    self.trace_dir, f"step{len(self.per_step)}_rank{rank}.json.gz"))
             self._profiler = None
         if len(self.per_step) + 1 in self.profile_steps:
             self._start_profiler()

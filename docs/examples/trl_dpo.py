@@ -186,7 +186,8 @@ def train(args, odc: bool) -> dict:
     trainer = build_trainer(args, odc, rank, world)
     tokens = pair_tokens(trainer.train_dataset)
     per_step = args.per_device_batch * args.accumulation * world
-    log, clock, probe = [], [None], step_probe.StepProbe(args.profile_steps)
+    log, clock = [], [None]
+    probe = step_probe.StepProbe(args.profile_steps, trace_dir=args.profile_trace)
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):

@@ -189,7 +189,7 @@ def main() -> None:
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
     phases = {"rollout": 0.0, "rollout_jit": 0.0, "rollout_peak": None}
-    probe = step_probe.StepProbe(args.profile_steps)
+    probe = step_probe.StepProbe(args.profile_steps, trace_dir=args.profile_trace)
 
     class Timed(GRPOTrainer):
         """Times TRL's rollout phase (generation, rewards, old and reference log-probs)."""
@@ -198,7 +198,8 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             start, compiled = time.perf_counter(), probe.total
-            out = super()._generate_and_score_completions(inputs)
+            with torch.profiler.record_function("trl::generate_and_score"):
+                out = super()._generate_and_score_completions(inputs)
             if cuda:
                 torch.cuda.synchronize()
             phases["rollout"] += time.perf_counter() - start

@@ -167,7 +167,8 @@ def main() -> None:
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
-    log, clock, probe = [], [None], step_probe.StepProbe(args.profile_steps)
+    log, clock = [], [None]
+    probe = step_probe.StepProbe(args.profile_steps, trace_dir=args.profile_trace)
 
     class Report(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):

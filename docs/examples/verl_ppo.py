@@ -201,7 +201,8 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     worker = make_worker(args, strategy, path)
     worker.set_loss_fn(actor_loss())
     steps = []
-    probe = step_probe.StepProbe(args.profile_steps, device_only=args.profile_device_only)
+    probe = step_probe.StepProbe(args.profile_steps, device_only=args.profile_device_only,
+                                 trace_dir=args.profile_trace)
     for step in range(args.steps):
         td, seqlens = rollout_batch(args, step)
         data = dispatch(td, seqlens, world, rank)

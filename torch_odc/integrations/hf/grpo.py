@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import torch_odc
 from torch_odc import balance
+from torch_odc._clock import _profiling
 
 from . import _compat
 from ._config import ODCConfig
@@ -167,6 +168,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_freed = False  # the gradient memory was out through this step's generation
         self._odc_gm_mark = 0.0  # odc_gradient_memory_s at the last step's end
         self._odc_gm_parts: dict = {}  # the engine's split of it at the last step's end
+        self._odc_host: dict = {}  # this step's host seconds by part (record's host_seconds)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -236,7 +238,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             # A step begins (the last one's optimizer step and zero_grad() ran): no gradient is
             # held until its first backward, so neither are ODC's accumulators, through
             # generation, as TRL holds no .grad there (docs/integrations.md, "Memory").
-            self._odc_freed = self._odc_free_gradient_memory()
+            with _Phase(self._odc_host, "free"):
+                self._odc_freed = self._odc_free_gradient_memory()
         # TRL's buffering, as GRPOTrainer.training_step would run it for this microbatch.
         self._odc_slices.append(self._prepare_inputs(inputs))
         _compat.write(self, "_step", _compat.read(self, "_step") + 1)
@@ -260,7 +263,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                                f"{self.current_gradient_accumulation_steps}")
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         step = self.state.global_step
-        rows, meta = self._odc_rows(slices, rank)
+        host, self._odc_host = self._odc_host, {}
+        with _Phase(host, "rows"):
+            rows, meta = self._odc_rows(slices, rank)
         # The unmodified trainer's microbatches are TRL's slices as they are: their tensors'
         # size is what the derived cap matches.
         sizes = [s["prompt_ids"].numel() + s["completion_ids"].numel() for s in slices]
@@ -268,45 +273,62 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         self._odc_plain_max = plain = max(max(sizes), getattr(self, "_odc_plain_max", 0))
         self._odc_cap = self._odc_work = None
         self._odc_plain_work = [sum(sizes)]
-        if self._odc_rebalance and world > 1:
-            rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, step, plain)
-            counts, rollouts = plan_counts
-        else:
-            lengths = rows.lengths()
-            plan = self._odc_plan(lengths, rows.shapes(), 1, step, plain) if lengths else [[]]
-            self._odc_note_work(plan, rows.shapes())
-            mine, counts, rollouts = plan[0], None, None
-            meta = {(rank, k): v for k, v in meta.items()}
-            self._odc_moved = 0
+        with _Phase(host, "exchange"):
+            if self._odc_rebalance and world > 1:
+                rows, meta, plan_counts, mine = self._odc_exchange(rows, meta, step, plain)
+                counts, rollouts = plan_counts
+            else:
+                lengths = rows.lengths()
+                plan = (self._odc_plan(lengths, rows.shapes(), 1, step, plain) if lengths
+                        else [[]])
+                self._odc_note_work(plan, rows.shapes())
+                mine, counts, rollouts = plan[0], None, None
+                meta = {(rank, k): v for k, v in meta.items()}
+                self._odc_moved = 0
         # Every rank is here after the exchange (or the plan): the accumulators come back now,
         # not at each rank's first backward, where the ranks would wait for each other.
-        self._odc_restore_gradient_memory()
-        weights = self._odc_row_weights(rows, meta, g)
+        with _Phase(host, "restore"):
+            self._odc_restore_gradient_memory()
+        with _Phase(host, "weights"):
+            weights = self._odc_row_weights(rows, meta, g)
+            # The rows' lengths on the host once: a microbatch's widths then need no wait for
+            # the device (which would stall the launch of its forward until the last backward).
+            shapes = rows.meta[:, 2:4].cpu()
         self._odc_acc = self._odc_new_accumulators(g, rows.meta.device)
         total = torch.zeros((), device=self.args.device)
         self._odc_in_step = True
         probe = self._odc_probe(model)
         padded = 0
+        host["microbatches"] = []
         try:
             for micro in mine:
-                batch = self._odc_microbatch(rows, weights, micro)
-                tokens = self._odc_batch_tokens(batch)
-                padded = max(padded, tokens)
-                if probe is not None:
-                    self._odc_autocap.start(tokens)
-                total = total + Trainer.training_step(self, model, batch, None)
-                if probe is not None:
-                    self._odc_autocap.stop()
+                with _Phase(host, "microbatches"):
+                    batch = self._odc_microbatch(rows, weights, micro, shapes)
+                    tokens = self._odc_batch_tokens(batch)
+                    padded = max(padded, tokens)
+                    if probe is not None:
+                        self._odc_autocap.start(tokens)
+                    total = total + Trainer.training_step(self, model, batch, None)
+                    if probe is not None:
+                        self._odc_autocap.stop()
         finally:
             self._odc_in_step = False
             if probe is not None:
                 probe.remove()
         # After this rank's last backward, before the Trainer clips and takes the grad norm.
-        torch_odc.minibatch_barrier()
+        with _Phase(host, "barrier"):
+            torch_odc.minibatch_barrier()
         if probe is not None:
             self._odc_autocap.finish_step(self._odc_handle)
-        counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
+        with _Phase(host, "metrics"):
+            counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts,
+                                                        rollouts)
         record = {"step": step, "microbatches": counts, "rollouts": rollouts,
+                  # this rank's host seconds by part (a part that waits for the device holds
+                  # the device's time): free (at the step's first TRL microbatch), rows,
+                  # exchange (lengths, plan, all-to-all), restore, weights, microbatches (one
+                  # each), barrier, metrics
+                  "host_seconds": host,
                   "moved": self._odc_moved,
                   "gradient_memory_freed": self._odc_freed,
                   # free + restore of this step (host seconds; they synchronize with the device)
@@ -541,12 +563,15 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return self.entropy_coef if last <= self.args.entropy_target else 0.0
         return self.entropy_coef
 
-    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int]) -> _Microbatch:
+    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int],
+                        shapes: torch.Tensor) -> _Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
-        completion (as ``_odc_widths`` gives them), with their weights."""
+        completion (as ``_odc_widths`` gives them; ``shapes``: every row's prompt and
+        completion length, on the host), with their weights."""
         idx = torch.tensor(micro, device=rows.meta.device)
         meta = rows.meta[idx]
-        pw, cw = self._odc_widths(int(meta[:, 2].max()), int(meta[:, 3].max()))
+        longest = shapes[micro].amax(0).tolist()
+        pw, cw = self._odc_widths(int(longest[0]), int(longest[1]))
         batch = {}
         for key, kind in self._odc_layout_cache:
             t = rows.tensors[key][idx]
@@ -763,6 +788,31 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 _compat.write(self, "_last_world_entropy", world_entropy)
             metrics["entropy_coef"].append(self.entropy_coef)
         return counts, rollouts
+
+
+class _Phase:
+    """Times a part of the step into ``host`` (host seconds; a list part gets one entry per
+    use) and, while the profiler records, marks it as ``odc::grpo_<part>``."""
+
+    __slots__ = ("host", "part", "range", "start")
+
+    def __init__(self, host: dict, part: str):
+        self.host, self.part, self.range = host, part, None
+
+    def __enter__(self):
+        if _profiling():
+            self.range = torch.profiler.record_function(f"odc::grpo_{self.part}")
+            self.range.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        seconds = time.perf_counter() - self.start
+        if self.range is not None:
+            self.range.__exit__(*exc)
+        if isinstance(self.host.get(self.part), list):
+            self.host[self.part].append(seconds)
+        else:
+            self.host[self.part] = self.host.get(self.part, 0.0) + seconds
 
 
 def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:

@@ -4,8 +4,8 @@
 # benchmarks/trace_phases.py's table of them; on a one-GPU host two ranks share the GPU.
 #   ODC_COMMIT=<commit> OUT=$OUT STEPS=7,12 bash benchmarks/device_profile.sh grpo
 #   (carry [".whl"]; VARIANTS=odc,plain on a host with a GPU per rank; NPROC, default 2)
-# Back in $OUT: phases.{txt,json}, the run's JSON and log (profile.tgz), the traces
-# (traces.tgz, when under the tool's 16 MiB a file).
+# Back in $OUT: phases.txt, the run's JSON and log and the tables' JSON (profile.tgz), and up
+# to 4 traces (each under the tool's 16 MiB a file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:?trainer: sft, dpo or grpo}"
@@ -20,11 +20,16 @@ timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_trl.py "$mode" --nproc 
   --profile-trace "$work/traces" > "$work/bench.log" 2>&1
 rc=$?
 grep -v -i warn "$work/bench.log" | tail -30
-python3 benchmarks/trace_phases.py "$work"/traces/*.json.gz --json "$OUT/phases.json" \
+# The whole steps, then what runs inside the ranges named by WITHIN (default: the GRPO
+# adapter's microbatches).
+python3 benchmarks/trace_phases.py "$work"/traces/*.json.gz --json "$work/phases.json" \
   > "$OUT/phases.txt" 2>&1
+python3 benchmarks/trace_phases.py "$work"/traces/*.json.gz --top 40 \
+  --within "${WITHIN:-odc::grpo_microbatches}" --json "$work/phases_within.json" \
+  >> "$OUT/phases.txt" 2>&1
 cat "$OUT/phases.txt"
 (cd "$work" && find . -type f ! -path './traces/*' ! -name '*.tgz' -size -12M \
   | tar -czf "$OUT/profile.tgz" -T -)
-tar -czf "$OUT/traces.tgz" -C "$work" traces
-[[ $(stat -c %s "$OUT/traces.tgz") -lt 16000000 ]] || rm -f "$OUT/traces.tgz"
+# The traces themselves, each that fits the tool's 16 MiB a file (at most 4 come back).
+find "$work/traces" -name '*.json.gz' -size -15M | sort | head -4 | xargs -r cp -t "$OUT"
 exit $rc

@@ -23,7 +23,7 @@ import os
 from collections import defaultdict
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-RANGE_CATS = ("user_annotation", "python_function")
+RANGE_CATS = ("user_annotation", "python_function", "cpu_op")
 
 
 def _load(path: str) -> list[dict]:
@@ -59,8 +59,21 @@ def _outermost(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",)) -> dict:
-    """One trace's table (see the module's docstring)."""
+def _clip(spans: list[tuple[float, float]], windows: list[tuple[float, float]]
+          ) -> list[tuple[float, float]]:
+    """The parts of ``spans`` inside ``windows`` (sorted, disjoint)."""
+    out = []
+    for a, b in spans:
+        for wa, wb in windows:
+            if wa < b and a < wb:
+                out.append((max(a, wa), min(b, wb)))
+    return out
+
+
+def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",),
+           within: str | None = None) -> dict:
+    """One trace's table (see the module's docstring); ``within``: only the parts of ranges
+    and device work inside that range's instances."""
     events = _load(path)
     launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
@@ -70,6 +83,13 @@ def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",)) -> di
     for e in events:
         if e.get("cat") in RANGE_CATS:
             by_name[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+    windows = None
+    if within is not None:
+        windows = _outermost(by_name.get(within, []))
+        by_name = {name: clipped for name, spans in by_name.items()
+                   if (clipped := _clip(spans, windows))}
+        device = [d for d in device
+                  if d[0] is not None and any(wa <= d[0] <= wb for wa, wb in windows)]
     launched = sorted((ts, dur) for ts, _, dur in device if ts is not None)
     starts = [ts for ts, _ in launched]
     prefix = [0.0]
@@ -87,9 +107,11 @@ def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",)) -> di
                        "device_ms": round(sum(device_ms(a, b) for a, b in spans), 3)}
     instances = {name: [{"host_ms": round((b - a) / 1e3, 3), "device_ms": round(device_ms(a, b), 3)}
                         for a, b in sorted(by_name[name])] for name in each if name in by_name}
-    first = min(e["ts"] for e in events)
-    last = max(e["ts"] + e["dur"] for e in events)
-    return {"trace": os.path.basename(path), "span_ms": round((last - first) / 1e3, 3),
+    if windows:
+        span = sum(b - a for a, b in windows)
+    else:
+        span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    return {"trace": os.path.basename(path), "within": within, "span_ms": round(span / 1e3, 3),
             "device_busy_ms": round(_union([(ts, ts + dur) for _, ts, dur in device]) / 1e3, 3),
             "ranges": dict(sorted(table.items(), key=lambda kv: -kv[1]["host_ms"])),
             "instances": instances}
@@ -101,12 +123,17 @@ def main() -> None:
     ap.add_argument("--each", default="odc::grpo_microbatches",
                     help="comma-separated range names listed instance by instance")
     ap.add_argument("--top", type=int, default=25, help="ranges printed per trace")
+    ap.add_argument("--within", default=None,
+                    help="only what runs inside this range's instances (its host time, and "
+                    "the device work launched there), e.g. odc::grpo_microbatches")
     ap.add_argument("--json", default=None, help="write every trace's table there")
     args = ap.parse_args()
     each = tuple(n for n in args.each.split(",") if n)
-    out = [phases(path, each) for path in args.traces]
+    out = [phases(path, each, args.within) for path in args.traces]
     for t in out:
-        print(f"{t['trace']}: span {t['span_ms']:.1f} ms, device busy {t['device_busy_ms']:.1f} ms")
+        where = f" (within {t['within']})" if t["within"] else ""
+        print(f"{t['trace']}{where}: span {t['span_ms']:.1f} ms, "
+              f"device busy {t['device_busy_ms']:.1f} ms")
         print(f"  {'range':<60} {'calls':>6} {'host ms':>10} {'device ms':>10}")
         for name, r in list(t["ranges"].items())[:args.top]:
             print(f"  {name[:60]:<60} {r['calls']:>6} {r['host_ms']:>10.1f} {r['device_ms']:>10.1f}")

@@ -85,7 +85,12 @@ def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",),
             by_name[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
     windows = None
     if within is not None:
-        windows = _outermost(by_name.get(within, []))
+        if within.startswith("after:"):  # from the end of the range's last instance on
+            ends = [b for _, b in by_name.get(within[len("after:"):], [])]
+            last = max(e["ts"] + e["dur"] for e in events)
+            windows = [(max(ends), last)] if ends else []
+        else:
+            windows = _outermost(by_name.get(within, []))
         by_name = {name: clipped for name, spans in by_name.items()
                    if (clipped := _clip(spans, windows))}
         device = [d for d in device
@@ -125,7 +130,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="ranges printed per trace")
     ap.add_argument("--within", default=None,
                     help="only what runs inside this range's instances (its host time, and "
-                    "the device work launched there), e.g. odc::grpo_microbatches")
+                    "the device work launched there), e.g. odc::grpo_microbatches; "
+                    "after:NAME: from the end of NAME's last instance to the trace's end")
     ap.add_argument("--json", default=None, help="write every trace's table there")
     args = ap.parse_args()
     each = tuple(n for n in args.each.split(",") if n)

@@ -2,7 +2,7 @@
 actor update runs both variants through verl's own environment and reports what the trainers
 table needs (skipped like the verl tests without verl's environment: a failure in CI, whose
 bootstrap builds it); SFTTrainer's run streams each variant's output into the log and leaves a
-complete record and a trainers row."""
+complete record and a trainers row; trace_phases.py reads a profiled step's Chrome trace."""
 
 from __future__ import annotations
 
@@ -105,3 +105,50 @@ def test_the_fixed_cost_bound_recovers_a_known_line():
     for step, noise in zip(odc, [0.9, -0.4, 0.7, -0.8], strict=True):
         step["seconds"] += noise
     assert fixed_cost_bound(odc, plain) is None
+
+
+def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_path):
+    """A hand-made Chrome trace: two microbatch ranges (one nested in a range of the same
+    name), a kernel launched in each and one launched outside both; trace_phases counts the
+    nested range once, gives each range the device time of what it launched (wherever the
+    kernel ran), and ``--within`` / ``after:`` keep only what runs inside the windows."""
+    import gzip
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from trace_phases import phases
+
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
+                "args": args}
+
+    events = [
+        x("trl::generate_and_score", "user_annotation", 0, 100),
+        x("odc::grpo_microbatches", "user_annotation", 200, 100),
+        x("odc::grpo_microbatches", "user_annotation", 220, 30),  # nested: counted once
+        x("cudaLaunchKernel", "cuda_runtime", 230, 5, correlation=1),
+        x("gemm", "kernel", 400, 70, correlation=1),  # runs after its range ended
+        x("odc::grpo_microbatches", "user_annotation", 500, 50),
+        x("cudaLaunchKernel", "cuda_runtime", 510, 5, correlation=2),
+        x("gemm", "kernel", 520, 20, correlation=2),
+        x("cudaLaunchKernel", "cuda_runtime", 50, 5, correlation=3),  # in generation
+        x("decode", "kernel", 60, 10, correlation=3),
+        {"ph": "i", "name": "marker", "ts": 5},  # not a complete event: ignored
+    ]
+    path = tmp_path / "step1_rank0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    whole = phases(str(path))
+    mb = whole["ranges"]["odc::grpo_microbatches"]
+    assert mb == {"calls": 2, "host_ms": 0.15, "device_ms": 0.09}, mb
+    assert whole["ranges"]["trl::generate_and_score"]["device_ms"] == 0.01
+    assert whole["span_ms"] == 0.55 and whole["device_busy_ms"] == 0.1
+    assert whole["instances"]["odc::grpo_microbatches"] == [
+        {"host_ms": 0.1, "device_ms": 0.07}, {"host_ms": 0.03, "device_ms": 0.07},
+        {"host_ms": 0.05, "device_ms": 0.02}]
+
+    inside = phases(str(path), within="odc::grpo_microbatches")
+    assert inside["span_ms"] == 0.15 and inside["device_busy_ms"] == 0.09
+    assert "trl::generate_and_score" not in inside["ranges"]
+    update = phases(str(path), within="after:trl::generate_and_score")
+    assert update["span_ms"] == 0.45 and update["device_busy_ms"] == 0.09

@@ -359,6 +359,13 @@ def check(case, reference, odc):
         # No accumulator memory through generation (free_gradient_memory at each step's start).
         assert all(s["gradient_memory_freed"] for s in steps), steps
         counts = [s["microbatches"] for s in steps]
+        for s in steps:  # this rank's host seconds by part, one entry per microbatch it ran
+            host = s["host_seconds"]
+            assert set(host) == {"free", "rows", "exchange", "restore", "weights",
+                                 "microbatches", "barrier", "metrics"}, host
+            assert len(host["microbatches"]) == s["microbatches"][rank], (host, s)
+            assert all(v >= 0 for v in host["microbatches"]), host
+            assert all(v >= 0 for k, v in host.items() if k != "microbatches"), host
         options = CASES[case][1]
         if options["rebalance"] and "planner" not in options:  # the test's planner, step 0
             assert counts[0][0] == 0 and counts[0][1] > 0, counts

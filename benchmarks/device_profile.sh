@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:?trainer: sft, dpo or grpo}"
 OUT="${OUT:-/tmp/odc_profile}"; mkdir -p "$OUT"
-work=/tmp/odc_profile_work; rm -rf "$work"; mkdir -p "$work/traces"
+work=/tmp/odc_profile_work; rm -rf "$work"; mkdir -p "$work"
 export ODC_COMMIT="${ODC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 env OUT=/tmp/odc_prep bash benchmarks/device_trl.sh none > "$OUT/prep.log" 2>&1 \
   || { tail -20 "$OUT/prep.log"; exit 1; }

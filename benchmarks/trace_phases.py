@@ -34,19 +34,6 @@ def _load(path: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, None
-    start = None
-    for a, b in sorted(spans):
-        if end is None or a > end:
-            if end is not None:
-                total += end - start
-            start, end = a, b
-        else:
-            end = max(end, b)
-    return total + (end - start if end is not None else 0.0)
-
-
 def _outermost(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The spans not inside another of the list (a recursive range counted once)."""
     out: list[tuple[float, float]] = []
@@ -57,6 +44,11 @@ def _outermost(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
             continue
         out.append((a, b))
     return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """The time covered by ``spans`` (overlaps counted once)."""
+    return sum(b - a for a, b in _outermost(spans))
 
 
 def _clip(spans: list[tuple[float, float]], windows: list[tuple[float, float]]

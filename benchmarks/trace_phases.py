@@ -35,7 +35,8 @@ def _load(path: str) -> list[dict]:
 
 
 def _outermost(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The spans not inside another of the list (a recursive range counted once)."""
+    """The intervals ``spans`` cover, sorted and disjoint: a span inside another (a recursive
+    range) counts once, and overlapping spans merge."""
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
         if out and a < out[-1][1]:

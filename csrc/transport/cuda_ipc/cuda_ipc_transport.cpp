@@ -77,11 +77,19 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   }
   check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), rank_,
         "cudaDeviceGetAttribute");
-  // One block per SM: the kernels overlap FSDP2's copies and the model's kernels, and a second
-  // resident block per SM slowed those (FSDP2's all-gather copy-out 2.3x) more than it sped
-  // the transport up (docs/benchmarks.md, issue 30, "Fifth session").
+  // The push: one block per SM (the bulk reductions need them all to reach NCCL's
+  // reduce-scatter; a second resident block per SM slowed FSDP2's copies and the model's kernels,
+  // which these launches overlap, more than it sped the push up: docs/benchmarks.md, issue 30).
+  // The gather: kGatherCtas blocks in all. Its loads reach NVLink's bandwidth from 16 blocks
+  // (2 H200), and every block it holds is an SM the model's kernels wait for while a prefetched
+  // gather runs beside them (2 H200, equal lengths: 0.996x FSDP2 with 132 blocks, 1.002x with
+  // 32; docs/benchmarks.md, "Thread blocks per launch").
   ctas_ = sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));
+  gather_ctas_ = std::getenv("ODC_CUDA_CTAS") ? ctas_ : std::min(sm_count_, kGatherCtas);
+  if (const char* env = std::getenv("ODC_CUDA_GATHER_CTAS")) {
+    gather_ctas_ = std::max(1, std::atoi(env));
+  }
   if (const char* env = std::getenv("ODC_CUDA_FUSED")) fused_ = std::string(env) != "0";
   int major = 0;
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_), rank_,
@@ -544,7 +552,7 @@ void CudaIpcTransport::read(int peer, size_t offset, void* dst, size_t bytes, St
   }
   // A kernel rather than a copy-engine memcpy: it is skipped once a wait failed (the peer's
   // region may be gone).
-  cuda_ipc::launchRead(dst, at(peer, offset), bytes, stop_, ctas_,
+  cuda_ipc::launchRead(dst, at(peer, offset), bytes, stop_, gather_ctas_,
                        peerStream(peer, asStream(stream)));
 }
 
@@ -554,7 +562,7 @@ void CudaIpcTransport::readAs(int peer, size_t offset, void* dst, size_t numel, 
     read(peer, offset, dst, numel * elementSize(from), stream);
     return;
   }
-  cuda_ipc::launchReadAs(dst, at(peer, offset), numel, from, to, stop_, ctas_,
+  cuda_ipc::launchReadAs(dst, at(peer, offset), numel, from, to, stop_, gather_ctas_,
                          peer == rank_ ? asStream(stream) : peerStream(peer, asStream(stream)));
 }
 
@@ -668,7 +676,7 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   }
   if (reads.empty()) return 0;
   if (!wait) {
-    cuda_ipc::launchGather(args, numel, from, to, value, 0, nullptr, stop_, ctas_,
+    cuda_ipc::launchGather(args, numel, from, to, value, 0, nullptr, stop_, gather_ctas_,
                            /*wait=*/false, asStream(stream));
     return 0;
   }
@@ -676,7 +684,7 @@ double CudaIpcTransport::gatherPeers(size_t offset, size_t flag_offset, uint64_t
   Clock::time_point deadline = reads.front().ctx.deadline;
   for (const auto& r : reads) deadline = std::min(deadline, r.ctx.deadline);
   cuda_ipc::launchGather(args, numel, from, to, value, deviceDeadline(deadline), error_device_,
-                         stop_, ctas_, /*wait=*/true, asStream(stream));
+                         stop_, gather_ctas_, /*wait=*/true, asStream(stream));
   watch(asStream(stream), deadline, [&](PendingWait& w) {
     for (const auto& r : reads) {
       w.peers[w.count] = r.peer;

@@ -146,9 +146,13 @@ class CudaIpcTransport : public Transport {
   const int world_;
   const int device_;
   int sm_count_ = 0;
-  // Thread blocks per gather / push launch (over all peers): ODC_CUDA_CTAS, default 1 per SM.
+  // Thread blocks per launch over all peers (the .cpp says why): the push's, ODC_CUDA_CTAS,
+  // default 1 per SM; the gather's, ODC_CUDA_GATHER_CTAS, default kGatherCtas (at most 1 per
+  // SM), or ODC_CUDA_CTAS where only that is set.
   // ODC_CUDA_FUSED=0 falls back to per-peer copy-engine reads and per-peer push kernels.
+  static constexpr int kGatherCtas = 32;
   int ctas_ = 0;
+  int gather_ctas_ = 0;
   bool fused_ = true;
   // kernels.h PushMode: kBulk on sm_90 and later, unless ODC_CUDA_PUSH=element (ODC_CUDA_PUSH=bulk
   // on an older GPU still runs the element path).

@@ -82,7 +82,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   // which these launches overlap, more than it sped the push up: docs/benchmarks.md, issue 30).
   // The gather: kGatherCtas blocks in all. Its loads reach NVLink's bandwidth from 16 blocks
   // (2 H200), and every block it holds is an SM the model's kernels wait for while a prefetched
-  // gather runs beside them (2 H200, equal lengths: 0.996x FSDP2 with 132 blocks, 1.002x with
+  // gather runs beside them (2 H200, equal lengths: 0.996x FSDP2 with 132 blocks, 1.000-1.002x with
   // 32; docs/benchmarks.md, "Thread blocks per launch").
   ctas_ = sm_count_;
   if (const char* env = std::getenv("ODC_CUDA_CTAS")) ctas_ = std::max(1, std::atoi(env));

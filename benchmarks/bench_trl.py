@@ -12,6 +12,7 @@ table last.
     python benchmarks/bench_trl.py sft --cpu --out /tmp/bench_trl           # CPU smoke test
     python benchmarks/bench_trl.py grpo --out DIR -- --size medium --steps 6 # example arguments
     python benchmarks/bench_trl.py sft --out DIR -- --profile-steps 2,3,8   # where steps go
+    python benchmarks/bench_trl.py verl --nproc 4 --repeats 2 --out DIR     # odc,plain,plain,odc
 
 Everything after ``--`` goes to the example unchanged (both variants); ``--profile-steps``
 puts the top ops of those steps (torch.profiler, every rank) into their records
@@ -44,6 +45,11 @@ per-token cost times the slowest rank's padded tokens, to both variants' measure
 reports the bound with that fixed part counted (``bound_with_fixed_cost`` in the row): what
 balancing can reach when each step also does work that no plan shrinks.
 
+``--repeats N`` runs N rounds, the variants' order reversed every other round, and pools every
+round's measured steps into the rates (the record's ``rounds`` keeps each round's own figures).
+Where a trainer's steps are host-bound and move by ~10 % from one run to the next (verl on these
+machines, docs/benchmarks.md), one pair of runs cannot tell a few per cent apart.
+
 Modes. ``MODES`` maps a name to a :class:`Mode`: the example script, its log file, its
 arguments on GPUs and for the CPU smoke test, the variants (name -> extra arguments) and the
 unit of a row. grpo also has the variant ``odc-local`` (``--variants``): ODC without moving
@@ -59,6 +65,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -358,7 +365,16 @@ def update_summary(path: str, row: dict) -> None:
         json.dump({"rows": rows}, f, indent=1)
 
 
-def _record(args, hardware, commit, warmup, commands, summary, results, partial) -> dict:
+def _max_peaks(a: list | None, b: list) -> list:
+    """Per rank, the larger of two runs' peaks (None where a run has none)."""
+    if not a:
+        return list(b)
+    return [max((p for p in pair if p is not None), default=None)
+            for pair in itertools.zip_longest(a, b)]
+
+
+def _record(args, hardware, commit, warmup, commands, summary, results, partial,
+            rounds) -> dict:
     versions = _versions()
     for result in results.values():  # what the example's own interpreter ran (verl's venv)
         versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
@@ -367,6 +383,10 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial)
               "versions": versions, "commit": commit, "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
               "summary": summary, "runs": results}
+    if args.repeats > 1:
+        # Each round's order and its own figures; "summary" pools the rounds' steps, "runs"
+        # holds every run ("odc", "plain", then "odc@2", "plain@2", ...).
+        record.update(repeats=args.repeats, rounds=rounds)
     if partial:
         record["partial"] = True
     return record
@@ -392,7 +412,13 @@ def main() -> None:
                     help="trainers.json to update with this run's row (odc and plain needed)")
     ap.add_argument("--kind", default=os.environ.get("ODC_DEVICE_KIND"),
                     help="machine kind recorded in the summary row (default $ODC_DEVICE_KIND)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of runs, the variants' order reversed every other round "
+                         "(odc,plain then plain,odc); the rates pool every round's measured "
+                         "steps (default 1)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     mode = MODES[args.mode]
     variants = args.variants.split(",") if args.variants else list(mode.default_variants)
     unknown = [v for v in variants if v not in mode.variants]
@@ -403,23 +429,45 @@ def main() -> None:
     stem = f"bench_trl_{args.mode}_{args.nproc}{'cpu' if args.cpu else 'gpu'}"
     workdir = tempfile.mkdtemp(prefix=f"{stem}-")
     results, summary, commands, peaks = {}, {}, {}, {}
+    pooled: dict[str, list[dict]] = {v: [] for v in variants}  # measured steps, every round
+    rounds: list[dict] = []
     hardware, commit = _hardware(args.cpu), _commit()
+    key = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
     with open(os.path.join(args.out, f"{stem}.log"), "w") as log:
-        for variant in variants:
-            result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu, workdir, log)
-            steps = result["steps"][warmup:]
-            if not steps:
-                raise SystemExit(f"{variant}: no step after --warmup {warmup}")
-            results[variant], commands[variant] = result, shlex.join(cmd)
-            summary[variant] = _rates(steps, result["meta"]["world"], mode.unit)
-            peaks[variant] = _peak(result)
-            summary[variant]["peak_memory_gib"] = peaks[variant]
-            # Written after every variant (marked partial until the last): a run stopped
-            # later keeps the variants that finished.
-            record = _record(args, hardware, commit, warmup, commands, summary, results,
-                             partial=len(results) < len(variants))
-            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-                json.dump(record, f, indent=1)
+        for i in range(args.repeats):
+            # Reversed every other round: a drift of the machine over the call (its host's
+            # noise, a clock) weighs on both variants alike.
+            order = variants if i % 2 == 0 else variants[::-1]
+            rates = {}
+            for variant in order:
+                name = variant if i == 0 else f"{variant}@{i + 1}"  # a run's key in "runs"
+                result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu,
+                                          os.path.join(workdir, f"round{i + 1}"), log)
+                steps = result["steps"][warmup:]
+                if not steps:
+                    raise SystemExit(f"{variant}: no step after --warmup {warmup}")
+                results[name], commands[name] = result, shlex.join(cmd)
+                world = result["meta"]["world"]
+                rates[variant] = _rates(steps, world, mode.unit)
+                pooled[variant] += steps
+                summary[variant] = _rates(pooled[variant], world, mode.unit)
+                peaks[variant] = _max_peaks(peaks.get(variant), _peak(result))
+                summary[variant]["peak_memory_gib"] = peaks[variant]
+                # Written after every run (marked partial until the last): a run stopped
+                # later keeps the runs that finished.
+                record = _record(args, hardware, commit, warmup, commands, summary, results,
+                                 partial=len(results) < len(variants) * args.repeats,
+                                 rounds=rounds)
+                with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+                    json.dump(record, f, indent=1)
+            done = {"order": order, **{f"{v}_seconds_per_step": r["seconds_per_step"]
+                                       for v, r in rates.items()}}
+            if "odc" in rates and "plain" in rates:
+                done["speedup"] = rates["odc"][key] / rates["plain"][key]
+            rounds.append(done)
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:  # with the last round
+        json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
+                          partial=False, rounds=rounds), f, indent=1)
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
          f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
@@ -434,17 +482,18 @@ def main() -> None:
               f"{s['seconds_per_step']:8.3f} {s.get('update_tokens_per_s_per_gpu', 0):13.1f} "
               f"{peak:9.2f} {s.get('bound') or 0:6.3f}")
     if "odc" in summary and "plain" in summary:
-        key = ("update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu")
         odc, plain = summary["odc"], summary["plain"]
         ratio = odc[key] / plain[key]
-        print(f"odc / plain {key}: {ratio:.3f}")
-        fixed = fixed_cost_bound(results["odc"]["steps"][warmup:],
-                                 results["plain"]["steps"][warmup:])
+        each = [r["speedup"] for r in rounds]
+        print(f"odc / plain {key}: {ratio:.3f}" + (
+            f" (every round's measured steps pooled; the rounds alone: "
+            f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
+        fixed = fixed_cost_bound(pooled["odc"], pooled["plain"])
         if fixed:
             odc["fixed_cost_bound"] = fixed
             with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
                 json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
-                                  partial=False), f, indent=1)
+                                  partial=False, rounds=rounds), f, indent=1)
             print(f"seconds = {fixed['fixed_seconds']:.3f} + "
                   f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
                   f"slowest rank (both variants, r2 {fixed['r2']:.3f}): bound with the fixed "
@@ -469,6 +518,8 @@ def main() -> None:
                 **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
                     "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}
                    if f"steady_{key}" in odc and f"steady_{key}" in plain else {}),
+                **({"repeats": args.repeats, "speedup_of_each_round": each}
+                   if args.repeats > 1 else {}),
                 "result": f"{stem}.json"})
 
 

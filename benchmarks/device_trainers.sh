@@ -14,7 +14,9 @@
 # then benchmarks/bench_trl.py verl in its environment). Every run's files are packed into
 # $OUT/<trainer>_<gpus>.tgz as it ends; the rows are merged into $OUT/trainers.json and the
 # timeline into $OUT/call.log (with 4 rows, 6 files come back). BENCH_TIMEOUT: seconds per
-# row (default 280). DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the
+# row (default 280). BENCH_ARGS: more arguments of bench_trl.py for every row, e.g.
+# BENCH_ARGS="--repeats 2" (odc,plain then plain,odc, steps pooled: the 4-GPU verl row, whose
+# host-bound runs move ~10 % apart, takes ~340 s so, BENCH_TIMEOUT=420, alone in a call). DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the
 # host's GPU count it assumes, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +53,7 @@ row() {  # trainer gpus devices: one row, its files packed into $OUT/<trainer>_<
     do_ env CUDA_VISIBLE_DEVICES="$devices" OMP_NUM_THREADS=4 PYTHONPATH="$PWD" \
       ODC_VERL_PYTHON="$PWD/.devbuild/verl-venv/bin/python" timeout "$limit" \
       python3 benchmarks/bench_trl.py verl --nproc "$n" --out "$work" \
-      --summary "$work/trainers.json" > "$work/bench_verl_$n.log" 2>&1
+      --summary "$work/trainers.json" ${BENCH_ARGS:-} > "$work/bench_verl_$n.log" 2>&1
   else
     do_ env CUDA_VISIBLE_DEVICES="$devices" ODC_TRL_WORK="$work" OUT="$work/out" NPROCS="$n" \
       BENCH_TIMEOUT="$limit" bash benchmarks/device_trl.sh "$t" > "$work/device_trl_$n.log" 2>&1

@@ -47,30 +47,46 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
 
 
 def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
+    """Two rounds (--repeats 2: odc, plain, then plain, odc): every run is kept, and the row's
+    rates pool both rounds' measured steps."""
     pytest.importorskip("trl")
     summary = tmp_path / "trainers.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "sft", "--cpu",
-         "--nproc", "2", "--out", str(tmp_path), "--summary", str(summary), "--kind", "cpu"],
+         "--nproc", "2", "--repeats", "2", "--out", str(tmp_path), "--summary", str(summary),
+         "--kind", "cpu"],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
         timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(summary.read_text())["rows"]
     assert row["trainer"] == "sft" and row["speedup"] > 0 and row["bound"] > 0, row
     record = json.loads((tmp_path / "bench_trl_sft_2cpu.json").read_text())
-    assert "partial" not in record and set(record["runs"]) == {"odc", "plain"}
+    assert "partial" not in record
+    assert set(record["runs"]) == {"odc", "plain", "odc@2", "plain@2"}
+    assert [r["order"] for r in record["rounds"]] == [["odc", "plain"], ["plain", "odc"]]
     steps = len(record["runs"]["odc"]["steps"])
-    # Both variants' step lines, as the examples printed them, are in the log.
+    warmup = record["warmup_steps"]
+    # The pooled rate, recomputed from the runs: tokens over seconds of both rounds' steps.
+    def pooled(variant):
+        measured = [s for name in (variant, f"{variant}@2")
+                    for s in record["runs"][name]["steps"][warmup:]]
+        assert record["summary"][variant]["steps"] == len(measured) == 2 * (steps - warmup)
+        return sum(s["tokens"] for s in measured) / sum(s["seconds"] for s in measured) / 2
+    assert row["speedup"] == pytest.approx(pooled("odc") / pooled("plain"))
+    assert row["repeats"] == 2 and row["speedup_of_each_round"] == [
+        r["speedup"] for r in record["rounds"]]
+    # Every run's step lines, as the examples printed them, are in the log.
     log = (tmp_path / "bench_trl_sft_2cpu.log").read_text().splitlines()
-    assert sum(line.startswith("step ") for line in log) == 2 * steps, log[-20:]
+    assert sum(line.startswith("step ") for line in log) == 4 * steps, log[-20:]
     # What each step spent besides its work (docs/examples/_step_probe.py): compile seconds
     # (none on CPU ranks: TRL's Triton kernels run on GPUs only), and for ODC every rank's
     # host seconds with one figure per microbatch the rank ran.
+    for run in record["runs"].values():
+        assert all(s["jit_seconds"] == 0.0 for s in run["steps"])
     for variant in ("odc", "plain"):
-        assert all(s["jit_seconds"] == 0.0 for s in record["runs"][variant]["steps"])
         assert record["summary"][variant]["steady_tokens_per_s_per_gpu"] == pytest.approx(
             record["summary"][variant]["tokens_per_s_per_gpu"])
-    for s in record["runs"]["odc"]["steps"]:
+    for s in record["runs"]["odc"]["steps"] + record["runs"]["odc@2"]["steps"]:
         assert [len(h["microbatches"]) for h in s["host_seconds"]] == s["microbatches"], s
 
 

@@ -13,6 +13,7 @@
 #   # stage out. Install and build take about 80 s of a 600 s call, and the 2-GPU benchmark
 #   # did not end within 300 s (2 H200): give it its own call, NPROCS=2 BENCH_TIMEOUT=480
 #   # CHECK_TIMEOUT=0 TESTS_TIMEOUT=0 (the check and the tests took 33 s and 60 s there).
+#   # BENCH_ARGS adds bench_trl.py arguments, e.g. "--repeats 2" (both orders, steps pooled).
 #
 # What the GPU image lacks for `import verl` and verl's TrainingWorker (read from an
 # environment built like the image: torch 2.11, transformers 5.17.0, accelerate 1.15.0,
@@ -172,7 +173,7 @@ run() {
   for n in ${NPROCS:-2 4}; do
     (( n <= gpus )) || continue
     ODC_VERL_PYTHON="$py" timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_trl.py verl \
-      --nproc "$n" --out "$OUT" --summary "$OUT/trainers.json" 2>&1 | grep -v -i warn \
+      --nproc "$n" --out "$OUT" --summary "$OUT/trainers.json" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn \
       | tee "$OUT/bench_verl_${n}.log" | tail -8 || rc=1
   done
   # fp32 for the parameter check over NCCL (bf16 differs by rounding). CHECK_TIMEOUT=0 or

@@ -62,6 +62,10 @@ SIZES = {  # LlamaConfig arguments
                "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8},
     "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
            "num_hidden_layers": 19, "num_attention_heads": 16, "num_key_value_heads": 8},
+    # Llama-3.2-3B's layers with this vocabulary: 3.0e9 parameters. At 1B a GRPO microbatch of
+    # a few thousand tokens is host-bound (docs/benchmarks.md); here its device time is ~2.7x.
+    "3b": {"vocab_size": 32000, "hidden_size": 3072, "intermediate_size": 8192,
+           "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8},
 }
 EOS = 1
 

@@ -16,8 +16,9 @@
 # timeline into $OUT/call.log (with 4 rows, 6 files come back). BENCH_TIMEOUT: seconds per
 # row (default 280). BENCH_ARGS: more arguments of bench_trl.py for every row, e.g.
 # BENCH_ARGS="--repeats 2" (odc,plain then plain,odc, steps pooled: the 4-GPU verl row, whose
-# host-bound runs move ~10 % apart, takes ~340 s so, BENCH_TIMEOUT=420, alone in a call). DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the
-# host's GPU count it assumes, default 4).
+# host-bound runs move ~10 % apart, takes ~340 s so, BENCH_TIMEOUT=420, alone in a call).
+# DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the host's GPU count
+# it assumes, default 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/odc_trainers}"; mkdir -p "$OUT"

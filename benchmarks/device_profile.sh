@@ -3,7 +3,8 @@
 # default) with the listed steps under torch.profiler, their Chrome traces per rank, and
 # benchmarks/trace_phases.py's table of them; on a one-GPU host two ranks share the GPU.
 #   ODC_COMMIT=<commit> OUT=$OUT STEPS=7,12 bash benchmarks/device_profile.sh grpo
-#   (carry [".whl"]; VARIANTS=odc,plain on a host with a GPU per rank; NPROC, default 2)
+#   (carry [".whl"]; VARIANTS=odc,plain on a host with a GPU per rank; NPROC, default 2;
+#   PROFILE_ARGS: more arguments of the example, e.g. "--size 3b --steps 7")
 # Back in $OUT: phases.txt, each run's JSON and log and the tables' JSON (profile.tgz), and up
 # to 4 traces (traces_<variant>_step<N>_rank<R>.json.gz, each under the tool's 16 MiB a file).
 set -uo pipefail
@@ -21,7 +22,7 @@ for v in "${variants[@]}"; do  # one run per variant: each its own traces
   mkdir -p "$work/$v/traces"
   timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_trl.py "$mode" --nproc "${NPROC:-2}" \
     --variants "$v" --out "$work/$v" -- --profile-steps "${STEPS:-7,12}" \
-    --profile-trace "$work/$v/traces" > "$work/$v/bench.log" 2>&1 || rc=1
+    --profile-trace "$work/$v/traces" ${PROFILE_ARGS:-} > "$work/$v/bench.log" 2>&1 || rc=1
   grep -v -i warn "$work/$v/bench.log" | tail -20
   # The whole steps, then what runs inside the ranges named by WITHIN (default: the GRPO
   # adapter's microbatches; after:trl::generate_and_score: a GRPO step's update, any variant).

@@ -352,15 +352,20 @@ def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _row_key(row: dict) -> tuple:
+    """A trainers row's identity: trainer, GPUs, machine kind and model size (rows from
+    before sizes were recorded are the 1B rows)."""
+    return row["trainer"], row["gpus"], row["kind"], row.get("model", "1b")
+
+
 def update_summary(path: str, row: dict) -> None:
-    """Replaces the row of (trainer, gpus, kind) in the trainers' summary JSON."""
+    """Replaces the row of (trainer, gpus, kind, model) in the trainers' summary JSON."""
     rows = []
     if os.path.exists(path):
         with open(path) as f:
             rows = json.load(f).get("rows", [])
-    key = (row["trainer"], row["gpus"], row["kind"])
-    rows = [r for r in rows if (r["trainer"], r["gpus"], r["kind"]) != key] + [row]
-    rows.sort(key=lambda r: (r["kind"], r["gpus"], r["trainer"]))
+    rows = [r for r in rows if _row_key(r) != _row_key(row)] + [row]
+    rows.sort(key=lambda r: (r["kind"], r["gpus"], r["trainer"], r.get("model", "1b")))
     with open(path, "w") as f:
         json.dump({"rows": rows}, f, indent=1)
 
@@ -392,7 +397,140 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
     return record
 
 
+def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warmup: int,
+            summary: dict, peaks: dict, pooled: dict, rounds: list, record) -> None:
+    """The PNG, the table, the fixed-cost bound and the trainers row of a finished run (or of
+    pooled runs); ``record()`` gives the JSON record to rewrite with the fixed-cost bound."""
+    key = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
+    label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
+    plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
+         f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
+         f"({commit[:7] if commit else '?'})")
+    unit = mode.unit
+    print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
+    print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
+          f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
+    for variant, s in summary.items():
+        peak = max((p for p in peaks[variant] if p is not None), default=float("nan"))
+        print(f"{variant:10s} {s[f'{unit}_per_s_per_gpu']:16.3f} {s['tokens_per_s_per_gpu']:14.1f} "
+              f"{s['seconds_per_step']:8.3f} {s.get('update_tokens_per_s_per_gpu', 0):13.1f} "
+              f"{peak:9.2f} {s.get('bound') or 0:6.3f}")
+    if "odc" in summary and "plain" in summary:
+        odc, plain = summary["odc"], summary["plain"]
+        ratio = odc[key] / plain[key]
+        each = [r["speedup"] for r in rounds if "speedup" in r]
+        print(f"odc / plain {key}: {ratio:.3f}" + (
+            f" (every round's measured steps pooled; the rounds alone: "
+            f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
+        fixed = fixed_cost_bound(pooled["odc"], pooled["plain"])
+        if fixed:
+            odc["fixed_cost_bound"] = fixed
+            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+                json.dump(record(), f, indent=1)
+            print(f"seconds = {fixed['fixed_seconds']:.3f} + "
+                  f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
+                  f"slowest rank (both variants, r2 {fixed['r2']:.3f}): bound with the fixed "
+                  f"part {fixed['bound']:.3f}, reached {ratio / fixed['bound']:.1%}")
+        if f"steady_{key}" in odc and f"steady_{key}" in plain:
+            print(f"without Triton compilation (odc {odc['jit_seconds']:.1f} s, plain "
+                  f"{plain['jit_seconds']:.1f} s in the measured steps): "
+                  f"{odc[f'steady_{key}'] / plain[f'steady_{key}']:.3f}")
+        if args.summary:
+            def peak_of(v):
+                return max((p for p in peaks[v] if p is not None), default=None)
+
+            update_summary(args.summary, {
+                "trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
+                "model": model, "commit": commit, "odc_tokens_per_s_per_gpu": odc[key],
+                "base_tokens_per_s_per_gpu": plain[key], "speedup": ratio,
+                "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
+                "bound": odc.get("bound"), "metric": key,
+                **({"bound_with_fixed_cost": fixed["bound"],
+                    "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
+                "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
+                **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
+                    "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}
+                   if f"steady_{key}" in odc and f"steady_{key}" in plain else {}),
+                **({"repeats": args.repeats, "speedup_of_each_round": each}
+                   if args.repeats > 1 else {}),
+                "result": f"{stem}.json"})
+
+
+def _model(mode: Mode, extra: list[str], cpu: bool) -> str:
+    """The example's --size as the runs got it (the last one given wins, as argparse takes)."""
+    argv = [*(mode.cpu_args if cpu else mode.gpu_args), *extra]
+    sizes = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--size"]
+    return sizes[-1] if sizes else "?"
+
+
+def pool_main(argv: list[str]) -> None:
+    """``pool RECORD.json ...``: one row from the measured steps of several records of the same
+    trainer, ranks and arguments (runs of separate calls, e.g. a 3B GRPO row whose round takes
+    most of a device call), as --repeats pools the rounds of one call."""
+    ap = argparse.ArgumentParser(prog="bench_trl.py pool", description=pool_main.__doc__)
+    ap.add_argument("records", nargs="+", help="bench_trl JSON records to pool")
+    ap.add_argument("--out", required=True, help="directory for the pooled JSON and PNG")
+    ap.add_argument("--summary", default=None, help="trainers.json to update with the row")
+    ap.add_argument("--kind", default=None, help="machine kind (default: the records')")
+    args = ap.parse_args(argv)
+    records = []
+    for path in args.records:
+        with open(path) as f:
+            records.append(json.load(f))
+    first = records[0]
+    for path, r in zip(args.records, records, strict=True):
+        same = (r["mode"], r["nproc"], r["warmup_steps"], r.get("partial", False))
+        if same != (first["mode"], first["nproc"], first["warmup_steps"], False):
+            raise SystemExit(f"{path}: (mode, ranks, warm-up, partial) {same} differs from "
+                             f"{(first['mode'], first['nproc'], first['warmup_steps'], False)}")
+        sizes = {run["meta"].get("size") for run in r["runs"].values()}
+        if sizes != {first["runs"]["odc"]["meta"].get("size")}:
+            raise SystemExit(f"{path}: model sizes {sizes} differ from the first record's")
+    mode, warmup = MODES[first["mode"]], first["warmup_steps"]
+    args.mode, args.nproc, args.repeats = first["mode"], first["nproc"], len(records)
+    args.kind = args.kind or first.get("kind")
+    pooled: dict[str, list[dict]] = collections.defaultdict(list)
+    peaks: dict[str, list] = {}
+    rounds, summary = [], {}
+    for r in records:
+        for name, run in r["runs"].items():
+            variant = name.split("@")[0]
+            pooled[variant] += run["steps"][warmup:]
+            peaks[variant] = _max_peaks(peaks.get(variant), _peak(run))
+        # A record of one round has no "rounds": its own speed-up stands for it.
+        rate = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
+        own = r["summary"]
+        rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
+            {"speedup": own["odc"][rate] / own["plain"][rate]}
+            if {"odc", "plain"} <= set(own) else {})}]
+    for variant, steps in pooled.items():
+        world = first["runs"][variant]["meta"]["world"]
+        summary[variant] = _rates(steps, world, mode.unit)
+        summary[variant]["peak_memory_gib"] = peaks[variant]
+    commits = list(dict.fromkeys(str(r.get("commit")) for r in records))
+    commit = "+".join(c[:7] for c in commits)
+    stem = f"bench_trl_{args.mode}_{args.nproc}gpu_pooled"
+    os.makedirs(args.out, exist_ok=True)
+
+    def record() -> dict:
+        return {"mode": args.mode, "hardware": first["hardware"], "kind": args.kind,
+                "nproc": args.nproc, "versions": first["versions"], "commit": commit,
+                "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
+                "pooled_from": [os.path.basename(p) for p in args.records],
+                "commits": commits, "repeats": len(records), "rounds": rounds,
+                "summary": summary}
+
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+        json.dump(record(), f, indent=1)
+    _finish(args, mode, stem, first["hardware"], commit,
+            str(first["runs"]["odc"]["meta"].get("size")), warmup, summary, peaks, pooled,
+            rounds, record)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["pool"]:
+        pool_main(sys.argv[2:])
+        return
     argv = sys.argv[1:]
     extra = []
     if "--" in argv:
@@ -468,59 +606,10 @@ def main() -> None:
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:  # with the last round
         json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
                           partial=False, rounds=rounds), f, indent=1)
-    label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
-    plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
-         f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
-         f"({commit[:7] if commit else '?'})")
-    unit = mode.unit
-    print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
-    print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
-          f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
-    for variant, s in summary.items():
-        peak = max((p for p in peaks[variant] if p is not None), default=float("nan"))
-        print(f"{variant:10s} {s[f'{unit}_per_s_per_gpu']:16.3f} {s['tokens_per_s_per_gpu']:14.1f} "
-              f"{s['seconds_per_step']:8.3f} {s.get('update_tokens_per_s_per_gpu', 0):13.1f} "
-              f"{peak:9.2f} {s.get('bound') or 0:6.3f}")
-    if "odc" in summary and "plain" in summary:
-        odc, plain = summary["odc"], summary["plain"]
-        ratio = odc[key] / plain[key]
-        each = [r["speedup"] for r in rounds]
-        print(f"odc / plain {key}: {ratio:.3f}" + (
-            f" (every round's measured steps pooled; the rounds alone: "
-            f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
-        fixed = fixed_cost_bound(pooled["odc"], pooled["plain"])
-        if fixed:
-            odc["fixed_cost_bound"] = fixed
-            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-                json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
-                                  partial=False, rounds=rounds), f, indent=1)
-            print(f"seconds = {fixed['fixed_seconds']:.3f} + "
-                  f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
-                  f"slowest rank (both variants, r2 {fixed['r2']:.3f}): bound with the fixed "
-                  f"part {fixed['bound']:.3f}, reached {ratio / fixed['bound']:.1%}")
-        if f"steady_{key}" in odc and f"steady_{key}" in plain:
-            print(f"without Triton compilation (odc {odc['jit_seconds']:.1f} s, plain "
-                  f"{plain['jit_seconds']:.1f} s in the measured steps): "
-                  f"{odc[f'steady_{key}'] / plain[f'steady_{key}']:.3f}")
-        if args.summary:
-            def peak_of(v):
-                return max((p for p in peaks[v] if p is not None), default=None)
-
-            update_summary(args.summary, {
-                "trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
-                "commit": commit, "odc_tokens_per_s_per_gpu": odc[key],
-                "base_tokens_per_s_per_gpu": plain[key], "speedup": ratio,
-                "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
-                "bound": odc.get("bound"), "metric": key,
-                **({"bound_with_fixed_cost": fixed["bound"],
-                    "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
-                "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
-                **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
-                    "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}
-                   if f"steady_{key}" in odc and f"steady_{key}" in plain else {}),
-                **({"repeats": args.repeats, "speedup_of_each_round": each}
-                   if args.repeats > 1 else {}),
-                "result": f"{stem}.json"})
+    _finish(args, mode, stem, hardware, commit, _model(mode, extra, args.cpu), warmup, summary,
+            peaks, pooled, rounds,
+            lambda: _record(args, hardware, commit, warmup, commands, summary, results,
+                            partial=False, rounds=rounds))
 
 
 if __name__ == "__main__":

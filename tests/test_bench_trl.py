@@ -123,6 +123,71 @@ def test_the_fixed_cost_bound_recovers_a_known_line():
     assert fixed_cost_bound(odc, plain) is None
 
 
+def test_pool_makes_one_row_of_separate_records(tmp_path):
+    """``bench_trl.py pool``: two records of the same GRPO setup (one round each, separate
+    calls) give one row whose rates pool both records' measured steps (warm-up left out), with
+    each record's own speed-up, the larger peaks and the model size in the row's key (a 1B row
+    beside it stays); records of different model sizes are refused."""
+
+    def step(i, tokens, seconds, rollout):
+        return {"step": i, "tokens": tokens, "seconds": seconds, "rollout_seconds": rollout,
+                "rollouts": 16, "padded_per_rank": [tokens, tokens - 100],
+                "plain_padded_per_rank": [tokens + 4000, 100]}
+
+    def record(path, odc_steps, plain_steps, size="3b", peaks=(10.0, 11.0)):
+        runs = {}
+        for name, steps in (("odc", odc_steps), ("plain", plain_steps)):
+            runs[name] = {"meta": {"world": 2, "size": size,
+                                   "peak_memory_gib": list(peaks) if name == "odc" else [12.0]},
+                          "steps": [step(i, *s) for i, s in enumerate(steps, 1)]}
+        rate = {n: {"update_tokens_per_s_per_gpu": sum(s[0] for s in st[1:])
+                    / sum(s[1] - s[2] for s in st[1:]) / 2}
+                for n, st in (("odc", odc_steps), ("plain", plain_steps))}
+        path.write_text(json.dumps({
+            "mode": "grpo", "nproc": 2, "warmup_steps": 1, "hardware": "test", "kind": "k",
+            "versions": {}, "commit": "abcdef0123", "summary": rate, "runs": runs}))
+        return rate["odc"]["update_tokens_per_s_per_gpu"] / rate["plain"][
+            "update_tokens_per_s_per_gpu"]
+
+    a = [(9000, 9.0, 8.0), (8000, 3.0, 2.0), (12000, 3.5, 2.2), (6000, 2.6, 2.0)]
+    b = [(9000, 9.5, 8.0), (8000, 3.1, 2.0), (12000, 3.4, 2.2), (6000, 2.7, 2.0)]
+    pa = [(9000, 9.0, 8.0), (8000, 3.4, 2.0), (12000, 4.2, 2.2), (6000, 3.1, 2.0)]
+    pb = [(9000, 9.0, 8.0), (8000, 3.3, 2.0), (12000, 4.0, 2.2), (6000, 3.2, 2.0)]
+    first = record(tmp_path / "a.json", a, pa)
+    second = record(tmp_path / "b.json", b, pb, peaks=(10.5, 10.0))
+    summary = tmp_path / "trainers.json"
+    summary.write_text(json.dumps({"rows": [
+        {"trainer": "grpo", "gpus": 2, "kind": "k", "speedup": 1.0, "result": "old.json"}]}))
+    bench = os.path.join(ROOT, "benchmarks", "bench_trl.py")
+
+    def pool(*records):
+        return subprocess.run(
+            [sys.executable, bench, "pool", *map(str, records), "--out", str(tmp_path / "out"),
+             "--summary", str(summary)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+            check=False)
+
+    proc = pool(tmp_path / "a.json", tmp_path / "b.json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(summary.read_text())["rows"]
+    assert [r.get("model", "1b") for r in rows] == ["1b", "3b"]
+    row = rows[1]
+
+    def rate(*runs):  # the measured steps (after the one warm-up step) of the runs, pooled
+        steps = [s for run in runs for s in run[1:]]
+        return sum(s[0] for s in steps) / sum(s[1] - s[2] for s in steps) / 2
+
+    assert row["speedup"] == pytest.approx(rate(a, b) / rate(pa, pb))
+    assert row["speedup_of_each_round"] == pytest.approx([first, second])
+    assert row["repeats"] == 2 and row["commit"] == "abcdef0" and row["kind"] == "k"
+    assert row["odc_peak_gib"] == 11.0 and row["base_peak_gib"] == 12.0
+    pooled = json.loads((tmp_path / "out" / row["result"]).read_text())
+    assert pooled["pooled_from"] == ["a.json", "b.json"]
+    assert pooled["summary"]["odc"]["steps"] == 6
+    record(tmp_path / "c.json", b, pb, size="1b")
+    proc = pool(tmp_path / "a.json", tmp_path / "c.json")
+    assert proc.returncode != 0 and "model sizes" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_path):
     """A hand-made Chrome trace: two microbatch ranges (one nested in a range of the same
     name), a kernel launched in each and one launched outside both; trace_phases counts the

@@ -358,6 +358,11 @@ def _row_key(row: dict) -> tuple:
     return row["trainer"], row["gpus"], row["kind"], row.get("model", "1b")
 
 
+def _rate_key(mode: str) -> str:
+    """The rate a row compares: GRPO's update phase (generation apart), else the whole step."""
+    return "update_tokens_per_s_per_gpu" if mode == "grpo" else "tokens_per_s_per_gpu"
+
+
 def update_summary(path: str, row: dict) -> None:
     """Replaces the row of (trainer, gpus, kind, model) in the trainers' summary JSON."""
     rows = []
@@ -401,7 +406,7 @@ def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warm
             summary: dict, peaks: dict, pooled: dict, rounds: list, record) -> None:
     """The PNG, the table, the fixed-cost bound and the trainers row of a finished run (or of
     pooled runs); ``record()`` gives the JSON record to rewrite with the fixed-cost bound."""
-    key = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
+    key = _rate_key(args.mode)
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
          f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
@@ -498,7 +503,7 @@ def pool_main(argv: list[str]) -> None:
             pooled[variant] += run["steps"][warmup:]
             peaks[variant] = _max_peaks(peaks.get(variant), _peak(run))
         # A record of one round has no "rounds": its own speed-up stands for it.
-        rate = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
+        rate = _rate_key(args.mode)
         own = r["summary"]
         rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
             {"speedup": own["odc"][rate] / own["plain"][rate]}
@@ -570,7 +575,7 @@ def main() -> None:
     pooled: dict[str, list[dict]] = {v: [] for v in variants}  # measured steps, every round
     rounds: list[dict] = []
     hardware, commit = _hardware(args.cpu), _commit()
-    key = "update_tokens_per_s_per_gpu" if args.mode == "grpo" else "tokens_per_s_per_gpu"
+    key = _rate_key(args.mode)
     with open(os.path.join(args.out, f"{stem}.log"), "w") as log:
         for i in range(args.repeats):
             # Reversed every other round: a drift of the machine over the call (its host's

@@ -410,7 +410,8 @@ def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warm
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
          f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
-         f"({commit[:7] if commit else '?'})")
+         f"({(commit if '+' in commit else commit[:7]) if commit else '?'}"
+         f"{f'; {args.repeats} rounds pooled' if args.repeats > 1 else ''})")
     unit = mode.unit
     print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
     print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "

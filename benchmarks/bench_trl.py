@@ -493,25 +493,27 @@ def pool_main(argv: list[str]) -> None:
         if sizes != {first["runs"]["odc"]["meta"].get("size")}:
             raise SystemExit(f"{path}: model sizes {sizes} differ from the first record's")
     mode, warmup = MODES[first["mode"]], first["warmup_steps"]
-    args.mode, args.nproc, args.repeats = first["mode"], first["nproc"], len(records)
+    args.mode, args.nproc = first["mode"], first["nproc"]
     args.kind = args.kind or first.get("kind")
     pooled: dict[str, list[dict]] = collections.defaultdict(list)
     peaks: dict[str, list] = {}
+    worlds: dict[str, int] = {}
     rounds, summary = [], {}
     for r in records:
         for name, run in r["runs"].items():
             variant = name.split("@")[0]
             pooled[variant] += run["steps"][warmup:]
             peaks[variant] = _max_peaks(peaks.get(variant), _peak(run))
+            worlds[variant] = run["meta"]["world"]
         # A record of one round has no "rounds": its own speed-up stands for it.
         rate = _rate_key(args.mode)
         own = r["summary"]
         rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
             {"speedup": own["odc"][rate] / own["plain"][rate]}
             if {"odc", "plain"} <= set(own) else {})}]
+    args.repeats = len(rounds)  # a record of --repeats N brings its N rounds
     for variant, steps in pooled.items():
-        world = first["runs"][variant]["meta"]["world"]
-        summary[variant] = _rates(steps, world, mode.unit)
+        summary[variant] = _rates(steps, worlds[variant], mode.unit)
         summary[variant]["peak_memory_gib"] = peaks[variant]
     commits = list(dict.fromkeys(str(r.get("commit")) for r in records))
     commit = "+".join(c[:7] for c in commits)
@@ -523,7 +525,7 @@ def pool_main(argv: list[str]) -> None:
                 "nproc": args.nproc, "versions": first["versions"], "commit": commit,
                 "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
                 "pooled_from": [os.path.basename(p) for p in args.records],
-                "commits": commits, "repeats": len(records), "rounds": rounds,
+                "commits": commits, "repeats": args.repeats, "rounds": rounds,
                 "summary": summary}
 
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:

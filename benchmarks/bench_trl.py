@@ -498,7 +498,7 @@ def pool_main(argv: list[str]) -> None:
     pooled: dict[str, list[dict]] = collections.defaultdict(list)
     peaks: dict[str, list] = {}
     worlds: dict[str, int] = {}
-    rounds, summary = [], {}
+    rounds, summary, rate = [], {}, _rate_key(args.mode)
     for r in records:
         for name, run in r["runs"].items():
             variant = name.split("@")[0]
@@ -506,7 +506,6 @@ def pool_main(argv: list[str]) -> None:
             peaks[variant] = _max_peaks(peaks.get(variant), _peak(run))
             worlds[variant] = run["meta"]["world"]
         # A record of one round has no "rounds": its own speed-up stands for it.
-        rate = _rate_key(args.mode)
         own = r["summary"]
         rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
             {"speedup": own["odc"][rate] / own["plain"][rate]}

@@ -249,6 +249,19 @@ def _versions() -> dict:
     return out
 
 
+def _host_cpu() -> str:
+    """The host's CPU model and logical cores: a host-bound row (GRPO's 1B microbatches, verl)
+    moves with it (docs/benchmarks.md)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical cores"
+
+
 def _hardware(cpu: bool) -> str:
     if not cpu:
         try:
@@ -389,8 +402,8 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
     for result in results.values():  # what the example's own interpreter ran (verl's venv)
         versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
                          if v is not None})
-    record = {"mode": args.mode, "hardware": hardware, "kind": args.kind, "nproc": args.nproc,
-              "versions": versions, "commit": commit, "warmup_steps": warmup,
+    record = {"mode": args.mode, "hardware": hardware, "host_cpu": _host_cpu(),
+              "kind": args.kind, "nproc": args.nproc, "versions": versions, "commit": commit, "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
               "summary": summary, "runs": results}
     if args.repeats > 1:
@@ -520,8 +533,9 @@ def pool_main(argv: list[str]) -> None:
     os.makedirs(args.out, exist_ok=True)
 
     def record() -> dict:
-        return {"mode": args.mode, "hardware": first["hardware"], "kind": args.kind,
-                "nproc": args.nproc, "versions": first["versions"], "commit": commit,
+        return {"mode": args.mode, "hardware": first["hardware"],
+                "host_cpu": sorted({str(r.get("host_cpu")) for r in records}),
+                "kind": args.kind, "nproc": args.nproc, "versions": first["versions"], "commit": commit,
                 "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
                 "pooled_from": [os.path.basename(p) for p in args.records],
                 "commits": commits, "repeats": args.repeats, "rounds": rounds,

@@ -403,7 +403,8 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
         versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
                          if v is not None})
     record = {"mode": args.mode, "hardware": hardware, "host_cpu": _host_cpu(),
-              "kind": args.kind, "nproc": args.nproc, "versions": versions, "commit": commit, "warmup_steps": warmup,
+              "kind": args.kind, "nproc": args.nproc, "versions": versions, "commit": commit,
+              "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
               "summary": summary, "runs": results}
     if args.repeats > 1:
@@ -535,7 +536,8 @@ def pool_main(argv: list[str]) -> None:
     def record() -> dict:
         return {"mode": args.mode, "hardware": first["hardware"],
                 "host_cpu": sorted({str(r.get("host_cpu")) for r in records}),
-                "kind": args.kind, "nproc": args.nproc, "versions": first["versions"], "commit": commit,
+                "kind": args.kind, "nproc": args.nproc, "versions": first["versions"],
+                "commit": commit,
                 "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
                 "pooled_from": [os.path.basename(p) for p in args.records],
                 "commits": commits, "repeats": args.repeats, "rounds": rounds,

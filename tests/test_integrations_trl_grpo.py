@@ -378,6 +378,12 @@ def check(case, reference, odc):
             for s in steps:  # the derived cap: TRL's largest microbatch, never exceeded
                 assert s["cap"] == s["plain_tokens"] > 0, s
                 assert s["padded_tokens"] <= s["cap"], s
+                # The plan's padded tokens per microbatch are the collated tensors' (this
+                # rank's largest is the largest it ran), every rank's in all its padded_per_rank.
+                mine = s["microbatch_padded_per_rank"][rank]
+                assert [len(m) for m in s["microbatch_padded_per_rank"]] == s["microbatches"], s
+                assert max(mine, default=0) == s["padded_tokens"], s
+                assert [sum(m) for m in s["microbatch_padded_per_rank"]] == s["padded_per_rank"]
         if options.get("pad_to_multiple_of"):  # every microbatch rows x (prompt + completion)
             pad = options["pad_to_multiple_of"]
             assert all(s["padded_tokens"] % pad == 0 and all(p % pad == 0

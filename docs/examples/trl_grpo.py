@@ -249,6 +249,7 @@ def main() -> None:
                 entry.update(microbatches=step["microbatches"], rollouts_per_rank=step["rollouts"],
                              moved=step["moved"],
                              **{k: step[k] for k in ("cap", "padded_per_rank",
+                                                     "microbatch_padded_per_rank",
                                                      "plain_padded_per_rank", "bytes_per_token",
                                                      "odc_extra_bytes", "plain_tokens", "padded_tokens",
                                                      "slope_bytes_per_token", "margin_bytes",

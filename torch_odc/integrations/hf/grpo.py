@@ -337,10 +337,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                   "gradient_memory_parts": self._odc_gradient_memory_parts()}
         self._odc_gm_mark = self.odc_gradient_memory_s
         if self._odc_cap is not None:
-            # Each rank's padded tokens in the step under ODC (after the exchange) and in TRL's
-            # own microbatches: the work the benchmarks take the planner's bound from.
+            # Each rank's padded tokens in the step under ODC (after the exchange; in all and
+            # per microbatch, beside host_seconds' time per microbatch) and in TRL's own
+            # microbatches: the work the benchmarks take the planner's bound from.
             record.update(cap=self._odc_cap[0], plain_tokens=self._odc_cap[1],
-                          padded_tokens=padded, padded_per_rank=self._odc_work,
+                          padded_tokens=padded,
+                          padded_per_rank=[sum(w) for w in self._odc_work],
+                          microbatch_padded_per_rank=self._odc_work,
                           plain_padded_per_rank=self._odc_plain_work,
                           **self._odc_autocap.describe())
         self.odc_steps.append(record)
@@ -395,9 +398,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         return plan
 
     def _odc_note_work(self, plan, shapes) -> None:
-        """Each rank's padded tokens under the step's final plan (derived cap only)."""
+        """Each rank's padded tokens per microbatch under the step's final plan (derived cap
+        only)."""
         if self._odc_cap is not None:
-            self._odc_work = [sum(self._odc_padded([shapes[i] for i in mb]) for mb in p)
+            self._odc_work = [[self._odc_padded([shapes[i] for i in mb]) for mb in p]
                               for p in plan]
 
     # -- rows ----------------------------------------------------------------------------------

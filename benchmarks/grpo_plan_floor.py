@@ -40,8 +40,9 @@ from torch_odc.integrations.hf._steps import (
     left_padded_widths,
     pack_padded,
 )
+from torch_odc.integrations.hf.grpo import ODCGRPOTrainerMixin
 
-MULTIPLE = 128  # ODC's GRPO length multiple on CUDA (ODCGRPOTrainerMixin.AUTO_MULTIPLE)
+MULTIPLE = ODCGRPOTrainerMixin.AUTO_MULTIPLE  # ODC's GRPO length multiple on CUDA
 
 
 def width(prompt: int, completion: int) -> int:

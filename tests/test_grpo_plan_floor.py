@@ -27,7 +27,7 @@ def test_floor_priced_packing_trades_microbatches_for_padding():
     assert sum(gpf.padded(rows, mb) for mb in free) == 4 * 1920 + 12 * 640
     # A floor above the padding saved keeps one microbatch.
     assert len(gpf.pack_cheapest(rows, members, 40000, 20000)) == 1
-    # Every row in exactly one microbatch, under the cap unless alone.
+    # Every row in exactly one microbatch.
     for mbs in (fewest, free):
         assert sorted(i for mb in mbs for i in mb) == members
 

@@ -15,9 +15,10 @@ or build a ``TrainingWorkerConfig`` with ``engine_config=ODCEngineConfig(strateg
 The engines are verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` with ODC attached
 after verl's FSDP2 wrapping, the minibatch barrier before verl's clipping, per-rank microbatch
 counts (no MAX over ranks) and metrics reduced once per step (``._engine`` has the details;
-docs/integrations.md the whole story). Unsupported settings (Ulysses sequence parallelism, a 2-D
-``fsdp_size`` mesh, CPU offload, ...) are refused when the engine is built. A forward-only
-engine (verl's reference model, whose strategy follows the actor's) is verl's FSDP2 engine.
+docs/integrations.md the whole story). verl's 2-D ``fsdp_size`` mesh runs as ODC's HSDP, and
+Ulysses sequence parallelism with each SP group planning its own microbatches; unsupported
+settings (CPU offload, ...) are refused when the engine is built. A forward-only engine (verl's
+reference model, whose strategy follows the actor's) is verl's FSDP2 engine.
 
 For CPU ranks (tests, the example), :func:`use_cpu_platform` registers a CPU platform through
 verl's ``PlatformRegistry``.

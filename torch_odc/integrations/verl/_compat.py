@@ -31,6 +31,7 @@ from torch_odc.integrations._manifest import (
     METHOD,
     MODULE,
     OVERRIDE,
+    READ_BY,
     REPRODUCED,
     Entry,
     Manifest,
@@ -63,8 +64,10 @@ ENTRIES: tuple[Entry, ...] = (
     *(_v(CONFIG, name, FIELD, why, ("config", "engine")) for name, why in (
         ("strategy", "'odc' selects the engines; verl's FSDP engine sees 'fsdp2'"),
         ("forward_only", "a forward-only engine (the reference model) runs as verl's own"),
-        ("ulysses_sequence_parallel_size", "refused above 1"),
-        ("fsdp_size", "a 2-D ddp x fsdp mesh is refused"),
+        ("ulysses_sequence_parallel_size", "an SP group is one data-parallel rank: its ranks "
+         "plan the same microbatches, checked once per mini-batch"),
+        ("fsdp_size", "below the world size: verl's 2-D ddp x fsdp mesh, rebuilt over odc "
+         "(HSDP)"),
         ("offload_policy", "refused (CPU offload)"),
         ("param_offload", "refused"))),
     _v("verl.workers.config.HFModelConfig", "enable_activation_offload", FIELD,
@@ -96,7 +99,10 @@ ENTRIES: tuple[Entry, ...] = (
     _v(ENGINE, "get_data_parallel_group", METHOD, "the loss denominators' all-reduce group"),
     _v(ENGINE, "get_data_parallel_size", METHOD, "verl's losses multiply by it"),
     *(_v(ENGINE, name, INSTANCE, why) for name, why in (
-        ("device_mesh", "replaced by a mesh over an odc group (verl's own group is not odc)"),
+        ("device_mesh", "verl's FSDP mesh (1-D, or 2-D ddp x fsdp), rebuilt over odc groups "
+         "(verl's own group is not odc)"),
+        ("ulysses_sequence_parallel_size", "the SP size: the token cap's factor, the SP check"),
+        ("ulysses_parallel_group", "the SP group whose ranks must plan the same microbatches"),
         ("module", "the FSDP2 model (the 'flops' cost's parameter count)"),
         ("model_config", "the model's configuration (the 'flops' cost)"),
         ("scaler", "verl's GradScaler, when there is one (read with the default None)"))),
@@ -104,6 +110,8 @@ ENTRIES: tuple[Entry, ...] = (
     _v("verl.workers.engine.utils", "prepare_micro_batches", FUNCTION,
        "verl's packing of a rank's rows, without the MAX over ranks",
        params=("data", "dp_group", "same_micro_num_in_dp")),
+    _v("verl.workers.engine.utils", "sp_size", READ_BY,
+       "the SP size set on the mini-batch: prepare_micro_batches scales the token cap by it"),
     _v("verl.workers.engine.utils", "postprocess_batch_func", FUNCTION,
        "the microbatch outputs back in row order", params=("output_lst", "indices", "data")),
     _v("verl.utils", "tensordict_utils", MODULE, "verl's TensorDict helpers"),

@@ -5,12 +5,17 @@ verl 0.9.1 trains through ``TrainingWorker`` -> ``BaseEngine.train_batch`` (``op
 ``FSDPEngineWithValueHead`` (critic). The engines here subclass those two and change only what
 equal microbatch counts forced:
 
-* FSDP2 shards over an ``"odc"`` process group (a group of its own when the default one is not
-  odc), and ``torch_odc.attach`` runs right after verl's ``apply_fsdp2``.
-* ``forward_backward_batch`` lets each rank cut its own rows into the microbatches their tokens
-  need (verl's ``prepare_micro_batches`` with ``same_micro_num_in_dp=False``: no MAX over ranks);
-  with ``odc_balance="mini"`` the mini-batch's sequences are first re-partitioned over the
-  data-parallel ranks by LB-Mini (:func:`torch_odc.balance.plan`) and moved there.
+* FSDP2 shards over ``"odc"`` process groups: verl's own FSDP mesh rebuilt over odc (a 1-D
+  mesh, or for ``fsdp_size < world`` verl's 2-D ``("ddp", "fsdp")`` mesh, which ODC serves as
+  HSDP: on demand inside each shard group, one all-reduce per mini-batch across replicas), and
+  ``torch_odc.attach`` runs right after verl's ``apply_fsdp2``.
+* ``forward_backward_batch`` lets each data-parallel rank cut its own rows into the microbatches
+  their tokens need (verl's ``prepare_micro_batches`` with ``same_micro_num_in_dp=False``: no MAX
+  over ranks); with ``odc_balance="mini"`` the mini-batch's sequences are first re-partitioned
+  over the data-parallel ranks by LB-Mini (:func:`torch_odc.balance.plan`) and moved there.
+  Under Ulysses sequence parallelism a data-parallel rank is one SP group: its ranks hold the
+  same rows (verl's dispatch), plan the same microbatches (the token cap times the SP size, as
+  verl scales it) and check that they did, once per mini-batch; SP groups run free.
 * ``optimizer_step`` waits in the model's minibatch barrier before verl's clipping.
 * ``train_batch`` reduces the per-microbatch ``Metric`` values over all ranks once, after the
   step, to one value per rank, so that verl's ``Metric.aggregate_dp`` (which needs equal counts)
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -104,14 +110,6 @@ def _option(engine_config, name: str):
 
 def _refusal(engine_config, model_config) -> str | None:
     """Why verl's configuration cannot run under ODC, or None."""
-    world = dist.get_world_size()
-    if engine_config.ulysses_sequence_parallel_size > 1:
-        return ("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism runs all-to-alls "
-                "inside every microbatch among its group, which ranks with different microbatch "
-                "counts cannot all call. Use ulysses_sequence_parallel_size=1")
-    if 0 <= engine_config.fsdp_size < world:
-        return (f"fsdp_size={engine_config.fsdp_size} of {world} ranks (verl's 2-D ddp x fsdp "
-                "mesh) is not served by this engine. Use fsdp_size=-1")
     if engine_config.offload_policy:
         return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps shards in host memory, which "
                 "torch_odc.attach refuses. Use offload_policy=False")
@@ -141,6 +139,7 @@ class ODCEngineMixin:
         self.odc_handle = None
         # Per optimizer step of this rank: its microbatch count, sequences and tokens.
         self.odc_steps: list[dict] = []
+        self.odc_forward_passes = 0
         # verl's FSDP engine branches on the strategy: this one is its FSDP2 path.
         fsdp2_config = copy.copy(engine_config)
         object.__setattr__(fsdp2_config, "strategy", "fsdp2")
@@ -150,17 +149,14 @@ class ODCEngineMixin:
 
     def _init_device_mesh(self):
         super()._init_device_mesh()
+        # verl's Ulysses mesh (dp x sp, over verl's default group) stays as it is: the SP
+        # all-to-alls run inside every microbatch among an SP group's ranks, which run the same
+        # microbatches. Only the FSDP mesh is rebuilt over odc.
         if not self.odc_active:
             return
         if isinstance(_compat.default_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
             return  # verl's mesh already runs over odc
-        # verl initializes the workers' group itself ("cpu:gloo,cuda:nccl"): FSDP2 shards over
-        # an odc group of the same ranks instead; verl's own collectives keep the default group.
-        from torch.distributed.device_mesh import DeviceMesh
-
-        group = dist.new_group(backend=torch_odc.BACKEND_NAME)
-        self.device_mesh = DeviceMesh.from_group(
-            group, self.device_mesh.device_type, mesh_dim_names=self.device_mesh.mesh_dim_names)
+        self.device_mesh = _odc_mesh(self.device_mesh)
 
     def _build_fsdp_module(self, module):
         module = super()._build_fsdp_module(module)
@@ -177,7 +173,9 @@ class ODCEngineMixin:
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not self.odc_active:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        tu.assign_non_tensor(data, sp_size=1)
+        # verl's packing scales the token cap by the SP size (an SP group's ranks share each
+        # microbatch's tokens), as verl's own forward_backward_batch has it.
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         planned, started = None, time.perf_counter()
         if not forward_only and self.odc_balance == "mini":
@@ -196,6 +194,8 @@ class ODCEngineMixin:
             # verl's own packing of this rank's rows, without the MAX over ranks.
             micro_batches, indices = prepare_micro_batches(
                 data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=False)
+        if self.ulysses_sequence_parallel_size > 1:
+            self._odc_check_sp_plan(data, indices, len(micro_batches), forward_only)
         outputs = []
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
@@ -212,7 +212,9 @@ class ODCEngineMixin:
                     if not keep_outputs:
                         meta.pop("model_output", None)
             outputs.append(meta)
-        if not forward_only:
+        if forward_only:
+            self.odc_forward_passes += 1
+        else:
             self.odc_steps.append({"microbatches": len(micro_batches), "sequences": len(data),
                                    "tokens": sum(_row_lengths(data)),
                                    "received": self._odc_received if planned is not None else 0,
@@ -233,6 +235,33 @@ class ODCEngineMixin:
             _reduce_metrics(outputs["metrics"], self.get_data_parallel_group())
         return outputs
 
+    def _odc_check_sp_plan(self, data, indices, count: int, forward_only: bool) -> None:
+        """The ranks of one Ulysses SP group run each microbatch together (its all-to-alls are
+        collectives of the group): they must have planned the same microbatches. One small
+        all-gather over the SP group per mini-batch compares each rank's microbatch count and
+        a checksum of its plan (rows per microbatch, row lengths); every rank of the group sees
+        the same answer, so either all of them go on or all of them raise."""
+        group = self.ulysses_parallel_group
+        size = dist.get_world_size(group)
+        plan = [list(map(int, mb)) for mb in indices] if indices is not None else None
+        checksum = zlib.crc32(repr((plan, _row_lengths(data))).encode())
+        mine = torch.tensor([count, len(data), checksum], dtype=torch.int64,
+                            device=torch.device(self.device_mesh.device_type))
+        everyone = torch.empty(size * 3, dtype=torch.int64, device=mine.device)
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        seen = everyone.view(size, 3).tolist()
+        if any(row != seen[0] for row in seen):
+            peers = dist.get_process_group_ranks(group)
+            what = (f"forward-only pass {self.odc_forward_passes + 1}" if forward_only
+                    else f"training step {len(self.odc_steps) + 1}")
+            detail = ", ".join(f"rank {r}: {c} microbatch(es) of {n} row(s), plan {h:08x}"
+                               for r, (c, n, h) in zip(peers, seen))
+            raise RuntimeError(
+                f"{_WHERE}: rank {dist.get_rank()}, {what} of this engine: the ranks of its "
+                f"Ulysses SP group {peers} planned different microbatches ({detail}). The "
+                "ranks of one SP group must hold the same rows (verl's dispatch gives them "
+                "the same data) and run the same microbatches")
+
     # -- LB-Mini across the data-parallel ranks ------------------------------------------------
 
     def _odc_lb_mini(self, data, keep_outputs: bool):
@@ -250,15 +279,18 @@ class ODCEngineMixin:
                 f"{where}: return_model_output=True would return other ranks' sequences")
         group = self.get_data_parallel_group()
         world = dist.get_world_size(group)
-        cap = int(data["max_token_len_per_gpu"])
+        # The cap of a microbatch of one DP rank (an SP group shares its tokens), as verl's
+        # prepare_micro_batches scales it.
+        cap = int(data["max_token_len_per_gpu"]) * self.ulysses_sequence_parallel_size
         local = _row_lengths(data)
         everyone = [None] * world
         dist.all_gather_object(everyone, local, group=group)
         lengths = [n for part in everyone for n in part]
         if max(lengths) > cap:
             raise ValueError(
-                f"{where}: a sequence of {max(lengths)} tokens is longer than "
-                f"max_token_len_per_gpu={cap} (verl refuses it too)")
+                f"{where}: a sequence of {max(lengths)} tokens is longer than the cap of "
+                f"{cap} tokens (max_token_len_per_gpu x ulysses_sequence_parallel_size; verl "
+                "refuses it too)")
         plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
         # Rows move pickled (a TensorDict's rows may be nested tensors). LB-Mini's rank labels
         # are arbitrary: each rank takes the share it holds most rows of (verl's driver already
@@ -280,11 +312,29 @@ class ODCEngineMixin:
                                               "calculate_workload")
             return lambda n: float(calculate_workload(torch.tensor(n, dtype=torch.int64)))
         config = self.model_config.hf_config
-        num_params = sum(p.numel() for p in self.module.parameters()) * dist.get_world_size(
-            self.device_mesh.get_group())
+        # FSDP2's parameters are DTensors: numel() is the whole parameter's.
+        num_params = sum(p.numel() for p in self.module.parameters())
         return lambda n: balance.flops_cost(
             n, num_params=num_params, num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size)
+
+
+def _odc_mesh(mesh):
+    """verl's FSDP mesh (the same ranks, shape and dimension names) over "odc" groups. verl's
+    workers initialize the default group as "cpu:gloo,cuda:nccl"; verl's other collectives keep
+    it. A 2-D ``("ddp", "fsdp")`` mesh (``fsdp_size < world``) is HSDP to FSDP2 and to ODC."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        group = dist.new_group(backend=torch_odc.BACKEND_NAME)
+        return DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=names)
+    odc = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=names,
+                           backend_override={name: torch_odc.BACKEND_NAME for name in names})
+    if not torch.equal(odc.mesh.cpu(), mesh.mesh.cpu()):
+        raise RuntimeError(f"{_WHERE}: the odc mesh {odc.mesh.tolist()} does not place the "
+                           f"ranks as verl's FSDP mesh {mesh.mesh.tolist()}")
+    return odc
 
 
 def _row_lengths(data) -> list[int]:

@@ -1,6 +1,6 @@
-"""verl 0.9.1 runs on 2 CPU ranks, under the python of verl's own virtual environment.
+"""verl 0.9.1 runs on 2 (and 4) CPU ranks, under the python of verl's own virtual environment.
 
-    python tests/verl_cases.py OUT.json        (tests/test_integrations_verl.py runs it)
+    python tests/verl_cases.py OUT.json [two|one|four ...]   (tests/test_integrations_verl.py)
 
 One launch of 2 ranks (tests/multiproc.run_ranks over a Gloo default group, as verl's workers
 have it on CPU) runs every scenario, each on a fresh tiny Qwen2 model built from a config (same
@@ -8,7 +8,9 @@ seed, nothing downloaded): verl's own FSDP2 engine (strategy "fsdp2", equal micr
 as the reference, and the "odc" engines of torch_odc.integrations.verl on the same data. Each
 rank writes what it saw (final parameters, logged metrics, microbatch counts, errors) and the
 test compares. Worker, engines, losses and metric aggregation are verl's own
-(TrainingWorker.train_mini_batch / train_batch, ppo_loss, value_loss).
+(TrainingWorker.train_mini_batch / train_batch, ppo_loss, value_loss). A launch of 1 rank runs
+the fallback to verl's own path; one of 4 ranks verl's 2-D mesh (fsdp_size=2) and Ulysses
+sequence parallelism (dp 2 x sp 2; on CPU through the shims of install_cpu_ulysses).
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ def rows(td, index: list[int]):
 
 
 def make_worker(strategy: str, critic: bool, model_path: str, lr: float, **odc):
+    """verl's TrainingWorker with strategy "fsdp2" (verl's own engine) or "odc"; ``odc`` holds
+    the ODCEngineConfig options, ``engine`` more engine options (both strategies) and
+    ``model`` more HFModelConfig options."""
     import torch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
@@ -155,13 +160,13 @@ def make_worker(strategy: str, critic: bool, model_path: str, lr: float, **odc):
                                    "buffer_dtype": "fp32"},
                   use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKENS,
                   infer_max_token_len_per_gpu=MAX_TOKENS, **odc.pop("engine", {}))
+    model = {"use_remove_padding": False, "override_config": {"attn_implementation": "eager"},
+             **odc.pop("model", {})}
     engine = (ODCEngineConfig(**common, **odc) if strategy == "odc"
               else FSDPEngineConfig(**common))
     config = TrainingWorkerConfig(
         model_type="value_model" if critic else "language_model",
-        model_config=HFModelConfig(path=model_path, load_tokenizer=False,
-                                   use_remove_padding=False,
-                                   override_config={"attn_implementation": "eager"}),
+        model_config=HFModelConfig(path=model_path, load_tokenizer=False, **model),
         engine_config=engine,
         optimizer_config=FSDPOptimizerConfig(optimizer="SGD", lr=lr, weight_decay=0.0,
                                              clip_grad=10.0, total_training_steps=10),
@@ -214,6 +219,8 @@ def metrics_of(output) -> dict:
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric import Metric
 
+    if output is None:
+        return None  # an SP rank other than its group's first: verl returns nothing there
     found = tu.get(output, "metrics")
     plain = {}
     for key, value in found.items():
@@ -236,9 +243,13 @@ def finish(worker) -> None:
         handle.detach()
 
 
-def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, odc):
+def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, odc,
+                   layout=None, after=None):
     """verl's update of one rollout batch: train_mini_batch over the rank's dispatched rows
-    (verl's dispatch gives each rank an equal chunk), 2 mini-batches -> 2 optimizer steps."""
+    (verl's dispatch gives each rank an equal chunk), 2 mini-batches -> 2 optimizer steps.
+    ``layout(rank, responses)`` gives the rank's rows of the whole batch where they are not
+    ``responses[rank]`` (the ranks of one SP group hold the same rows); ``after(worker)``
+    runs before the worker is finished, its result under "after"."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -251,17 +262,22 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
         whole = make_batch([r for part in responses for r in part], seed + call, critic)
         per_rank = len(responses[0])
         start = sum(len(p) for p in responses[:rank])
-        mine = list(range(start, start + len(responses[rank])))
+        mine = (list(range(start, start + len(responses[rank]))) if layout is None
+                else layout(rank, responses))
         # As verl's trainer before the update: old log-probs (values) from a forward-only pass
         # of the same engine; under ODC with each rank's own microbatch count, and then the
         # update starts with zero_grad() after that forward.
         probe = rows(whole, mine)
         tu.assign_non_tensor(probe, compute_loss=False, calculate_entropy=True)
-        inferred = tu.get(worker.infer_batch(probe), "values" if critic else "log_probs")
-        # What verl's trainer keeps of it (no_padding_2_padding: the response positions; the
-        # last position of a sequence predicts whatever follows it in its microbatch).
-        padded = no_padding_2_padding(inferred, rows(whole, mine))
-        forward.append(padded[rows(whole, mine)["response_mask"].bool()].tolist())
+        inferred = worker.infer_batch(probe)
+        if inferred is None:  # an SP rank other than its group's first
+            forward.append(None)
+        else:
+            inferred = tu.get(inferred, "values" if critic else "log_probs")
+            # What verl's trainer keeps of it (no_padding_2_padding: the response positions;
+            # the last position of a sequence predicts whatever follows it in its microbatch).
+            padded = no_padding_2_padding(inferred, rows(whole, mine))
+            forward.append(padded[rows(whole, mine)["response_mask"].bool()].tolist())
         data = rows(whole, mine)
         tu.assign_non_tensor(data, global_batch_size=world * per_rank // 2,
                              mini_batch_size=world * per_rank // 2, epochs=1, seed=7,
@@ -269,9 +285,28 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
         logged.append(metrics_of(worker.train_mini_batch(data)))
     steps = list(getattr(worker.engine, "odc_steps", []))
     result = {"metrics": logged, "params": parameters(worker), "steps": steps,
-              "forward": forward}
+              "forward": forward, "mesh": meshes(worker.engine)}
+    if after is not None:
+        result["after"] = after(worker)
     finish(worker)
     return result
+
+
+def meshes(engine) -> dict:
+    """The engine's FSDP mesh (names, shape, each dimension's backend) and verl's Ulysses
+    mesh (shape, this rank's SP group)."""
+    import torch
+    import torch.distributed as dist
+
+    mesh = engine.device_mesh
+    backends = [type(mesh.get_group(d)._get_backend(torch.device("cpu"))).__name__
+                for d in range(mesh.ndim)]
+    out = {"names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "backends": backends,
+           "groups": [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]}
+    if engine.ulysses_device_mesh is not None:
+        out["sp_mesh"] = list(engine.ulysses_device_mesh.shape)
+        out["sp_group"] = dist.get_process_group_ranks(engine.ulysses_parallel_group)
+    return out
 
 
 def train_batch_run(rank, world, strategy, model_path, responses, split, seed, odc):
@@ -398,25 +433,169 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
     finally:
         del os.environ["ODC_HOST_ID"]
     out["reference"] = reference_engine(model_path)
-    out["refused_sp"] = refused(model_path, ulysses_sequence_parallel_size=2)
     out["refused_offload"] = refused(model_path, offload_policy=True)
     out["timings"] = timings
     return out
 
 
+# -- 4 ranks: verl's 2-D ("ddp", "fsdp") mesh (fsdp_size=2) and Ulysses SP (dp 2 x sp 2) ------
+
+SP_ATTENTION = "odc_test_varlen_sdpa"  # reaches verl's Ulysses wrapper (see install_cpu_ulysses)
+SHIM_CALLS = {"attention": 0, "all_to_all": 0}  # calls of the shims in this process
+
+
+def install_cpu_ulysses() -> None:
+    """What verl's Ulysses path needs on CPU ranks, for these tests only (verl unchanged):
+
+    * an attention name, registered through transformers' ``AttentionInterface``, whose function
+      is transformers' own flash-attention forward: it calls its module's
+      ``_flash_attention_forward``, which verl replaces by its Ulysses wrapper (all-to-alls
+      around the kernel) when ``use_remove_padding`` or SP is on;
+    * the kernel verl's wrapper calls (flash-attention's varlen kernel, absent here) backed by
+      SDPA run per packed sequence: the sequences of a microbatch lie in one row, each
+      restarting its ``position_ids`` at 0;
+    * verl's ``all_to_all_tensor`` (a list ``all_to_all``, which Gloo lacks on torch 2.11) over
+      ``all_to_all_single``, the same exchange."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import verl.models.transformers.monkey_patch as verl_patch
+    import verl.utils.ulysses as ulysses
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    AttentionInterface.register(SP_ATTENTION, flash_attention_forward)
+
+    def varlen_sdpa(query, key, value, attention_mask, query_length, is_causal=True,
+                    dropout=0.0, position_ids=None, softmax_scale=None, sliding_window=None,
+                    softcap=None, **_):
+        # (batch 1, tokens, heads, head_dim), as flash-attention takes them.
+        assert attention_mask is None and not dropout and sliding_window is None \
+            and softcap is None, "varlen_sdpa: an option this test shim does not serve"
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        if k.size(1) != q.size(1):  # grouped-query attention, as flash-attention maps it
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        length = q.size(2)
+        starts = [0] if position_ids is None else \
+            (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0] + starts
+        bounds = starts + [length]
+        SHIM_CALLS["attention"] += 1
+        out = torch.cat([F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=is_causal, scale=softmax_scale)
+            for a, b in zip(bounds, bounds[1:])], dim=2)
+        return out.transpose(1, 2)
+
+    def all_to_all_tensor(local_input, scatter_dim, gather_dim, group=None, async_op=False):
+        group = ulysses.get_ulysses_sequence_parallel_group() if group is None else group
+        n = dist.get_world_size(group)
+        parts = [t.contiguous() for t in torch.tensor_split(local_input, n, scatter_dim)]
+        send = torch.cat([t.reshape(-1) for t in parts])
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        SHIM_CALLS["all_to_all"] += 1
+        out = torch.cat([c.view(parts[0].shape) for c in received.chunk(n)],
+                        dim=gather_dim).contiguous()
+        return (lambda: out) if async_op else out
+
+    verl_patch._flash_attention_forward = varlen_sdpa
+    ulysses.all_to_all_tensor = all_to_all_tensor
+
+
+# Per rank (4 rows each, 2 mini-batches of 2 rows per call). Call 0: ranks 0 and 1 hold long
+# rows (2 microbatches per mini-batch of 48 tokens), ranks 2 and 3 short ones (1); call 1: ranks
+# 0 and 2 need 2 microbatches in their first mini-batch, ranks 1 and 3 one.
+FOUR = [[[24, 23, 22, 24], [23, 24, 24, 22], [3, 2, 4, 3], [2, 3, 3, 2]],
+        [[24, 23, 3, 2], [2, 3, 4, 2], [22, 24, 3, 3], [3, 2, 2, 4]]]
+SP = 2
+FOUR_MODEL = {"use_remove_padding": True, "override_config": {"attn_implementation": SP_ATTENTION}}
+
+
+def sp_layout(rank: int, responses) -> list[int]:
+    """The rows of the SP group of ``rank`` (dp rank = rank // SP; both ranks of a group hold the
+    same rows): the rows of ranks 2d and 2d+1 of the 4-rank layout, ordered so that each
+    mini-batch of the SP group (4 rows) is the union of those two ranks' mini-batches (2 rows
+    each): the same mini-batches as verl's sp=1 run, whose parameters these runs must reach."""
+    first = [sum(len(p) for p in responses[:r]) for r in range(len(responses))]
+    d = rank // SP
+    own = [list(range(first[r], first[r] + len(responses[r]))) for r in range(SP * d, SP * d + SP)]
+    half = len(own[0]) // 2
+    return [i for part in own for i in part[:half]] + [i for part in own for i in part[half:]]
+
+
+def sp_mismatch(worker) -> str:
+    """A train_batch in which the two ranks of each SP group hold different rows: every rank
+    of the group must refuse it, naming itself and the step (none may hang)."""
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+
+    whole = make_batch([20, 3, 22, 4], 99)
+    data = rows(whole, [0, 1] if dist.get_rank() % SP == 0 else [2, 3])
+    tu.assign_non_tensor(data, global_batch_size=4, calculate_entropy=True,
+                         global_token_num=[int(x) for x in data["input_ids"].offsets().diff()])
+    try:
+        worker.train_batch(data)
+    except RuntimeError as e:
+        return str(e)
+    return "not refused"
+
+
+def four_ranks(rank: int, world: int, model_path: str) -> dict:
+    torch_threads_and_env(rank, world)
+    install_cpu_ulysses()
+    out, timings = {}, {}
+
+    def timed(name, fn, *args, **kwargs):
+        t0, before = time.perf_counter(), dict(SHIM_CALLS)
+        out[name] = fn(*args, **kwargs)
+        out[name]["shim_calls"] = {k: SHIM_CALLS[k] - before[k] for k in SHIM_CALLS}
+        timings[name] = time.perf_counter() - t0
+
+    hsdp = {"engine": {"fsdp_size": 2}, "model": FOUR_MODEL}
+    sp = {"engine": {"ulysses_sequence_parallel_size": SP}, "model": FOUR_MODEL}
+    # verl's own HSDP run is also verl's sp=1 run on the same mini-batches (the SP runs below).
+    timed("hsdp_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, FOUR, 60,
+          dict(hsdp))
+    timed("hsdp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
+          dict(hsdp))
+    timed("sp_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, FOUR, 60, dict(sp),
+          layout=sp_layout)
+    timed("sp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60, dict(sp),
+          layout=sp_layout, after=sp_mismatch)
+    # LB-Mini over the DP ranks (each SP group's ranks move the same rows); and SP inside
+    # verl's 2-D mesh (fsdp_size=2: the shard groups are the SP groups, replicas across them).
+    timed("sp_mini_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
+          {**sp, "odc_balance": "mini"}, layout=sp_layout)
+    timed("sp_hsdp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
+          {"engine": {"fsdp_size": 2, "ulysses_sequence_parallel_size": SP},
+           "model": FOUR_MODEL}, layout=sp_layout)
+    out["timings"] = timings
+    return out
+
+
 def main() -> None:
+    """``verl_cases.py OUT.json [LAUNCH ...]``: every launch (``two``, ``one``, ``four``) unless
+    some are named (a launch left out is left out of OUT.json)."""
     from multiproc import run_ranks
 
-    target = sys.argv[1]
+    target, chosen = sys.argv[1], set(sys.argv[2:]) or {"two", "one", "four"}
+    found, walls = {}, {}
+    launches = (("two", "ranks", 2, ranks, 600.0), ("one", "one_rank", 1, one_rank, 300.0),
+                ("four", "four_ranks", 4, four_ranks, 900.0))
     with tempfile.TemporaryDirectory(prefix="odc-verl-") as tmp:
         model_path = os.path.join(tmp, "model")
         build_model(model_path)
         build_model(model_path + "-critic", critic=True)
         t0 = time.perf_counter()
-        results = run_ranks(2, ranks, model_path, backend="gloo", timeout=600.0,
-                            pg_timeout=120.0)
-        single = run_ranks(1, one_rank, model_path, backend="gloo", timeout=300.0,
-                           pg_timeout=120.0)[0]
+        for launch, key, world, fn, timeout in launches:
+            if launch in chosen:
+                started = time.perf_counter()
+                got = run_ranks(world, fn, model_path, backend="gloo", timeout=timeout,
+                                pg_timeout=120.0)
+                found[key] = got[0] if world == 1 else got
+                walls[launch] = time.perf_counter() - started
         wall = time.perf_counter() - t0
     import torch
     import transformers
@@ -427,8 +606,7 @@ def main() -> None:
     versions = {"verl": verl.__version__, "torch": torch.__version__,
                 "transformers": transformers.__version__, "torch_odc": torch_odc.__file__}
     with open(target, "w") as f:
-        json.dump({"ranks": results, "one_rank": single, "wall_s": wall,
-                   "versions": versions}, f)
+        json.dump({**found, "wall_s": wall, "launch_wall_s": walls, "versions": versions}, f)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 // keyed calls, balance), called in that order from PYBIND11_MODULE at the end.
 #include <pybind11/chrono.h>
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -102,6 +103,17 @@ struct KeyCalls {
   c10::intrusive_ptr<torch_odc::OdcBackend> backend;
   int key;
   torch_odc::KeyGrads grads;
+  // The sharded parameters given to set_placeholders and the barrier's views (set_views), as
+  // the Python objects: KeyGrads gets the tensors inside them at each call (see
+  // KeyGrads::setPlaceholders). Only touched with the GIL held.
+  std::vector<py::object> sharded, views;
+
+  static std::vector<at::Tensor> unpack(const std::vector<py::object>& objects) {
+    std::vector<at::Tensor> out;
+    out.reserve(objects.size());
+    for (const auto& o : objects) out.push_back(THPVariable_Unpack(o.ptr()));
+    return out;
+  }
 };
 
 using BackendClass =
@@ -387,36 +399,60 @@ void bindKeyCalls(py::module_& m) {
           "pushed(), clearing them.")
       .def(
           "set_placeholders",
-          [](KeyCalls& self, const std::vector<int64_t>& indices, std::vector<at::Tensor> sharded,
+          [](KeyCalls& self, const std::vector<int64_t>& indices, const py::list& sharded,
              std::vector<at::Tensor> placeholders) {
-            self.grads.setPlaceholders(indices, std::move(sharded), std::move(placeholders));
+            TORCH_CHECK(indices.size() == sharded.size(),
+                        "odc: set_placeholders needs one sharded parameter per index");
+            std::vector<py::object> objects;
+            for (const auto& p : sharded) {
+              TORCH_CHECK(THPVariable_Check(p.ptr()), "odc: set_placeholders: not a tensor");
+              objects.push_back(py::reinterpret_borrow<py::object>(p));
+            }
+            self.grads.setPlaceholders(indices, std::move(placeholders));
+            self.sharded = std::move(objects);
+            self.views.clear();
           },
           py::arg("indices"), py::arg("sharded"), py::arg("placeholders"))
       .def(
-          "place_all", [](KeyCalls& self) { return self.grads.placeAll(); },
+          "place_all",
+          [](KeyCalls& self) { return self.grads.placeAll(KeyCalls::unpack(self.sharded)); },
           "Where no parameter given to set_placeholders has a .grad: puts the placeholders "
           "there, True; else changes nothing, False.")
       .def(
           "set_views",
-          [](KeyCalls& self, std::vector<at::Tensor> views) {
-            self.grads.setViews(std::move(views));
+          [](KeyCalls& self, const py::list& views) {
+            TORCH_CHECK(views.empty() || views.size() == self.sharded.size(),
+                        "odc: set_views needs one view per sharded parameter");
+            std::vector<py::object> objects;
+            for (const auto& v : views) {
+              TORCH_CHECK(THPVariable_Check(v.ptr()), "odc: set_views: not a tensor");
+              objects.push_back(py::reinterpret_borrow<py::object>(v));
+            }
+            self.views = std::move(objects);
           },
           py::arg("views"))
       .def(
           "finalize",
-          [](KeyCalls& self, const std::vector<bool>& got) { return self.grads.finalize(got); },
+          [](KeyCalls& self, const std::vector<bool>& got) {
+            if (self.views.empty()) return false;
+            return self.grads.finalize(KeyCalls::unpack(self.sharded),
+                                       KeyCalls::unpack(self.views), got);
+          },
           py::arg("got"),
           "Each parameter's .grad: its view where `got` (per parameter of the key), else None; "
           "False (nothing changed) without views.")
       .def(
-          "all_grads_set", [](const KeyCalls& self) { return self.grads.allGradsSet(); },
+          "all_grads_set",
+          [](const KeyCalls& self) {
+            return self.grads.allGradsSet(KeyCalls::unpack(self.sharded));
+          },
           "Whether every parameter given to set_placeholders has a .grad (False without any).")
       .def(
           "push_all",
           [](KeyCalls& self, at::Tensor output, at::Tensor input, const py::handle& op,
              double scale, bool async_op) -> py::object {
             const auto reduce_op = toReduceOp(op);
-            if (!self.grads.takeAll()) return py::bool_(false);
+            if (!self.grads.takeAll(KeyCalls::unpack(self.sharded))) return py::bool_(false);
             c10::intrusive_ptr<c10d::Work> work;
             {
               py::gil_scoped_release nogil;

@@ -15,7 +15,9 @@ from torch_odc._handle import (
     Handle,
     free_gradient_memory,
     minibatch_barrier,
+    release_memory,
     restore_gradient_memory,
+    restore_memory,
     stats,
 )
 
@@ -31,6 +33,8 @@ __all__ = [
     "minibatch_barrier",
     "odc_backend",
     "register",
+    "release_memory",
     "restore_gradient_memory",
+    "restore_memory",
     "stats",
 ]

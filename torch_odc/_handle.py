@@ -55,6 +55,10 @@ class Handle:
         self._entered = False
         # The generation of the accumulators the keys view (set by attach).
         self._accumulator_generation = None
+        # release_memory(): the engine (region, shard caches, accumulators) is gone until
+        # restore_memory(); the stats at the release stand in for the engine's.
+        self._released = False
+        self._released_stats: dict | None = None
 
     @property
     def on_demand(self) -> bool:
@@ -67,7 +71,15 @@ class Handle:
     def keys(self) -> list[str]:
         return [k.name for k in self._keys]
 
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release_memory` gave ODC's memory back (until :meth:`restore_memory`
+        or the next forward or barrier)."""
+        return self._released
+
     def _where(self) -> str:
+        if self._released:
+            return f"rank {dist.get_rank(self._group)}, memory released"
         info = self._backend._stats()
         # Between a barrier and this rank's next keyed call the engine is still in the finished
         # minibatch; what the user runs then belongs to the next one.
@@ -102,6 +114,7 @@ class Handle:
             return  # FSDP2 reduced every microbatch's gradients itself (as attach warned)
         if not self._attached:
             raise RuntimeError("torch_odc: this model was detached")
+        self.restore_memory()  # a rank that ran no microbatch since release_memory()
         self._check_barrier()
         b = self._backend
         # (0) A rank that ran no microbatch enters the minibatch only now.
@@ -138,8 +151,10 @@ class Handle:
     def free_gradient_memory(self) -> bool:
         """See :func:`torch_odc.free_gradient_memory`. Whether the accumulators are out now
         (False for a model that kept collective semantics at attach)."""
-        if not self._attached:
+        if not self._attached or self.collective_reason is not None:
             return False
+        if self._released:
+            return True  # nothing is held
         self._backend._free_accumulators()
         for key in self._keys:
             key.drop_accumulator()
@@ -147,10 +162,64 @@ class Handle:
 
     def restore_gradient_memory(self) -> None:
         """See :func:`torch_odc.restore_gradient_memory`."""
-        if not self._attached:
-            return
+        if not self._attached or self._released:
+            return  # released: restore_memory() brings the accumulators back
         self._backend._restore_accumulators()
         self._refresh_accumulators()
+
+    def release_memory(self) -> bool:
+        """See :func:`torch_odc.release_memory`. Whether ODC's memory is out now (False for a
+        model that kept collective semantics at attach)."""
+        if not self._attached or self.collective_reason is not None:
+            return False
+        if self._released:
+            return True
+        if self._entered:
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: release_memory() after this rank started the "
+                "minibatch in progress (a forward or an all-gather since the barrier): peers may "
+                "be reading its shards. Call it between minibatches: after minibatch_barrier() "
+                "(and optimizer.step()), before the next forward")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # Every rank is past its last keyed call: no peer reads this rank's shards or pushes
+        # into its accumulators any more (a peer that went on into the next minibatch would
+        # wait here for this rank's release, and this rank for it: the process group's timeout).
+        dist.barrier(group=self._group)
+        self._released_stats = self._backend._stats()
+        for key in self._keys:
+            _leave_region(key)
+        # The parameters living in the shard caches move into memory of their own (on the
+        # same device: ``model.to("cpu")`` moves them on, as under FSDP2 alone).
+        self._backend._evict_shards()
+        self._backend._disconnect_engine()
+        self._released = True
+        self._accumulator_generation = None
+        # Every rank has closed its mappings of every other rank's memory: what release
+        # returns is free on every rank once this returns.
+        dist.barrier(group=self._group)
+        return True
+
+    def restore_memory(self) -> None:
+        """See :func:`torch_odc.restore_memory`."""
+        if not self._released:
+            return
+        for index, key in enumerate(self._keys):
+            shards = self._shards(index)  # raises where the gather dtype changed
+            away = {str(t.device) for t in shards if t.device != self.device}
+            if away:
+                raise RuntimeError(
+                    f"torch_odc: {self._where()}: restoring ODC's memory, but the parameters of "
+                    f"'{key.name}' are on {', '.join(sorted(away))}, and the model was attached "
+                    f"on {self.device}: move the model back first (model.to({str(self.device)!r}))")
+        b = self._backend
+        b._connect_engine([k.spec() for k in self._keys],
+                          self.device.index if self.device.type == "cuda" else -1)
+        for index, key in enumerate(self._keys):
+            key.refresh_accumulator(b._accumulator(index))
+        self._accumulator_generation = b._accumulator_generation
+        self._released, self._released_stats = False, None
+        self._place_shards()
 
     def _refresh_accumulators(self) -> None:
         """Views of the accumulators' current generation (the engine restores them at the first
@@ -171,6 +240,7 @@ class Handle:
         spans that do not carry it, and releases the accumulators to the peers' pushes."""
         if self._entered or not self._attached:
             return
+        self.restore_memory()
         self._lazy_init()
         self._entered = True
         b = self._backend
@@ -322,6 +392,8 @@ class Handle:
             return
         t0 = perf_counter()
         try:
+            if self._released:
+                self.restore_memory()
             if not self._entered:
                 self._enter_minibatch()
             if self._publish_pending:
@@ -375,7 +447,14 @@ class Handle:
         if self.collective_reason is not None:  # nothing of the engine's: FSDP2's own path
             return {"on_demand": False, "collective_reason": self.collective_reason,
                     "memory": {}, "gradient_memory": {}, "host_by_kind_s": {}, "host_s": 0.0}
-        out = self._backend._stats()
+        if self._released:  # the engine's counters at the release; no memory held
+            out = dict(self._released_stats)
+            out["region_bytes"] = 0
+            out["memory"] = {k: 0 for k in out["memory"]}
+            out["released"] = True
+        else:
+            out = self._backend._stats()
+            out["released"] = False
         out["host_by_kind_s"] = {kind: c.s for kind, c in self._clocks.items()}
         out["host_s"] = sum(out["host_by_kind_s"].values())  # see _HostClock
         return out
@@ -391,31 +470,40 @@ class Handle:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self._group)
+        released = self._released
         for hook in [*self._hooks, self._step_hook]:
             if hook is not None:
                 hook.remove()
         self._hooks, self._step_hook = [], None
         for key in self._keys:
             key.unwatch_grads()
-            # .grad views of the accumulators outlive the region as copies.
-            for index, fp in enumerate(key.unit.params):
-                grad = _fsdp2.sharded_grad(fp)
-                if isinstance(grad, _NoGradBeforeBarrier):
-                    _fsdp2.set_grad(fp, None)
-                elif (key.grad_numels[index] and grad is not None
-                      and key.span(index) is not None and _same_view(grad, key.span(index))):
-                    _fsdp2.set_grad(fp, grad.clone())
-            key.set_accumulator(None)
+            _leave_region(key)
             if self._replicate is not None:
                 key.unit.module.set_requires_all_reduce(True, recurse=False)
             key.unit.module.set_custom_all_gather(key.prev_all_gather)
             key.unit.module.set_custom_reduce_scatter(key.prev_reduce_scatter)
-        # The parameters living in the shard caches move back into memory of their own.
-        self._backend._evict_shards()
-        self._backend._disconnect_engine()
-        self._attached = False
+        if not released:
+            # The parameters living in the shard caches move back into memory of their own.
+            self._backend._evict_shards()
+            self._backend._disconnect_engine()
+        self._attached, self._released = False, False
         if self in _handles:
             _handles.remove(self)
+
+
+def _leave_region(key: _Key) -> None:
+    """Before the region goes (detach, release_memory): no ``.grad`` of `key` and nothing here
+    views it any more. Placeholders become None; ``.grad`` views of the accumulators become
+    copies of their own (as FSDP2 would hold them)."""
+    key.disable_fast_push()
+    for index, fp in enumerate(key.unit.params):
+        grad = _fsdp2.sharded_grad(fp)
+        if isinstance(grad, _NoGradBeforeBarrier):
+            _fsdp2.set_grad(fp, None)
+        elif (key.grad_numels[index] and grad is not None
+              and key.span(index) is not None and _same_view(grad, key.span(index))):
+            _fsdp2.set_grad(fp, grad.clone())
+    key.set_accumulator(None)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -492,6 +580,35 @@ def restore_gradient_memory() -> None:
     the first backward."""
     for handle in _handles:
         handle.restore_gradient_memory()
+
+
+def release_memory() -> None:
+    """Gives back all memory ODC holds for every attached model, for a phase in which the model
+    neither trains nor runs (RL generation by another engine, memory handed to a colocated
+    rollout): the shard caches, the accumulators and the control words; the sharded parameters
+    that lived in the shard caches move into memory of their own on the same device first, so
+    that ``model.to("cpu")`` then frees them as it does under FSDP2 alone (a ``.grad`` still
+    held becomes a copy of its own, as FSDP2 holds it). ODC's memory on every rank is free when
+    this returns.
+
+    Collective: call it on every rank at the same point, between minibatches (after
+    ``minibatch_barrier()`` and ``optimizer.step()``, before the next forward). Raises on a
+    rank that already started the next minibatch. :func:`restore_memory` brings it back, or
+    else the next forward or barrier of each rank does (collective too: every rank meets there
+    once); the model must be back on the device it was attached on by then.
+    """
+    for handle in _handles:
+        handle.release_memory()
+
+
+def restore_memory() -> None:
+    """Brings back what :func:`release_memory` gave back: the engine's memory again, the sharded
+    parameters moved into their shard caches (the same values: no step can run in between), the
+    accumulators zero. Collective: call it on every rank, with the model on the device it was
+    attached on (``model.to(device)`` first), or leave it to each rank's next forward or barrier.
+    Training afterwards equals training without the release."""
+    for handle in _handles:
+        handle.restore_memory()
 
 
 def stats() -> list[dict]:

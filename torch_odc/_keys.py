@@ -88,6 +88,7 @@ class _Key:
         # The sharded parameters fast_push swaps .grad of (FSDP2 may replace them: _apply).
         self._fast_params: list = []
         self._hooked_params: list = []  # the sharded parameters hook_sharded_grads hooked
+        self._hooked_ids: list[int] = []  # and the tensors inside them (see check_params)
         # Whether some prior is _USER (set where prior changes): the fast paths skip it.
         self.any_user = False
         # watch_grads: the unsharded parameters at its last full pass, and those of them it
@@ -206,6 +207,7 @@ class _Key:
             handle.remove()
         self._grad_hooks.clear()
         self._hooked_params = _fsdp2.sharded_params(fp for _, fp in self._trainable_params)
+        self._hooked_ids = _tensor_ids(self._hooked_params)
         for (index, _), param in zip(self._trainable_params, self._hooked_params):
             self._grad_hooks.append(param.register_post_accumulate_grad_hook(
                 lambda p, i=index: self._drop_fsdp_grad(i, p)))
@@ -324,14 +326,20 @@ class _Key:
     def check_params(self) -> bool:
         """Whether the sharded parameters are the ones hooked (hook_sharded_grads) and, with
         fast_push, handed to C++. FSDP2 replaces them in ``reset_sharded_param`` (after
-        ``load_state_dict(assign=True)`` or ``module._apply``): then the .grad hooks move to the
-        new ones and fast_push turns off (the next push turns it on again with them), and this
-        returns False. Runs when this rank enters a minibatch and at the barrier."""
-        if all(map(is_, _fsdp2.sharded_params(fp for _, fp in self._trainable_params),
-                   self._hooked_params)):
+        ``load_state_dict(assign=True)``), and ``model.to()`` (``module._apply``) swaps the
+        tensor inside each parameter object and inside its ``.grad`` (``swap_tensors``): the
+        objects stay, their tensors change, and with them what the views and placeholders made
+        here stand for. Then the .grad hooks move to the new ones, the views and placeholders
+        are made again, fast_push turns off (the next push turns it on again with them), and
+        this returns False. Runs when this rank enters a minibatch and at the barrier."""
+        params = _fsdp2.sharded_params(fp for _, fp in self._trainable_params)
+        if all(map(is_, params, self._hooked_params)) and all(
+                map(int.__eq__, _tensor_ids(params), self._hooked_ids)):
             return True
         self.disable_fast_push()
         self.hook_sharded_grads()
+        self.forget_placeholders()
+        self.set_accumulator(self.accumulator)  # the .grad views, made again when needed
         return False
 
     def span(self, index: int) -> torch.Tensor:
@@ -378,3 +386,9 @@ class _Key:
 
 def _param_name(unit: _fsdp2.Unit, index: int) -> str:
     return unit.param_names[index]
+
+
+def _tensor_ids(tensors: list) -> list[int]:
+    """The C++ tensor inside each Python tensor object (``_cdata``): ``torch.utils.swap_tensors``
+    (``module._apply``) changes it and keeps the object."""
+    return [t._cdata for t in tensors]

@@ -107,10 +107,10 @@ std::vector<int64_t> KeyGrads::takePushed() {
   return out;
 }
 
-void KeyGrads::setPlaceholders(const std::vector<int64_t>& indices, std::vector<at::Tensor> sharded,
+void KeyGrads::setPlaceholders(const std::vector<int64_t>& indices,
                                std::vector<at::Tensor> placeholders) {
-  TORCH_CHECK(indices.size() == sharded.size() && sharded.size() == placeholders.size(),
-              "odc: setPlaceholders needs one sharded parameter and placeholder per index");
+  TORCH_CHECK(indices.size() == placeholders.size(),
+              "odc: setPlaceholders needs one placeholder per index");
   std::fill(all_bits_.begin(), all_bits_.end(), 0);
   for (const int64_t i : indices) {
     TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < num_params_, "odc: parameter #", i,
@@ -118,59 +118,68 @@ void KeyGrads::setPlaceholders(const std::vector<int64_t>& indices, std::vector<
     all_bits_[static_cast<size_t>(i) / 64] |= uint64_t{1} << (i % 64);
   }
   indices_ = indices;
-  sharded_ = std::move(sharded);
   placeholders_ = std::move(placeholders);
-  views_.clear();
 }
 
-bool KeyGrads::placeAll() {
-  if (sharded_.empty()) return false;
-  for (const auto& p : sharded_) {
+namespace {
+
+void checkCount(size_t got, size_t want, const char* what) {
+  TORCH_CHECK(got == want, "odc: ", what, ": ", got, " tensors for ", want, " parameters");
+}
+
+}  // namespace
+
+bool KeyGrads::placeAll(const std::vector<at::Tensor>& sharded) {
+  if (placeholders_.empty()) return false;
+  checkCount(sharded.size(), placeholders_.size(), "placeAll");
+  for (const auto& p : sharded) {
     if (p.grad().defined()) return false;
   }
-  for (size_t i = 0; i < sharded_.size(); ++i) sharded_[i].mutable_grad() = placeholders_[i];
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    sharded[i].mutable_grad() = placeholders_[i];
+  }
   return true;
 }
 
-void KeyGrads::setViews(std::vector<at::Tensor> views) {
-  TORCH_CHECK(views.empty() || views.size() == sharded_.size(),
-              "odc: setViews needs one view per sharded parameter");
-  views_ = std::move(views);
-}
-
-bool KeyGrads::finalize(const std::vector<bool>& got) {
-  if (views_.empty()) return false;
+bool KeyGrads::finalize(const std::vector<at::Tensor>& sharded,
+                        const std::vector<at::Tensor>& views, const std::vector<bool>& got) {
+  if (views.empty() || placeholders_.empty()) return false;
+  checkCount(sharded.size(), placeholders_.size(), "finalize");
+  checkCount(views.size(), placeholders_.size(), "finalize (views)");
   for (const int64_t i : indices_) {
     TORCH_CHECK(static_cast<size_t>(i) < got.size(), "odc: finalize: no flag for parameter #", i);
   }
-  for (size_t j = 0; j < sharded_.size(); ++j) {
+  for (size_t j = 0; j < sharded.size(); ++j) {
+    auto& grad = sharded[j].mutable_grad();
     if (got[static_cast<size_t>(indices_[j])]) {
-      sharded_[j].mutable_grad() = views_[j];
+      grad = views[j];
     } else {
-      sharded_[j].mutable_grad().reset();
+      grad.reset();
     }
   }
   return true;
 }
 
-bool KeyGrads::takeAll() {
-  if (sharded_.empty()) return false;
+bool KeyGrads::takeAll(const std::vector<at::Tensor>& sharded) {
+  if (placeholders_.empty()) return false;
+  checkCount(sharded.size(), placeholders_.size(), "takeAll");
   std::lock_guard<std::mutex> lock(noted_->mu);
   if (noted_->bits != all_bits_) return false;
-  for (size_t i = 0; i < sharded_.size(); ++i) {
-    const auto& grad = sharded_[i].grad();
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    const auto& grad = sharded[i].grad();
     if (!grad.defined() || grad.unsafeGetTensorImpl() != placeholders_[i].unsafeGetTensorImpl()) {
       return false;
     }
   }
-  for (auto& p : sharded_) p.mutable_grad().reset();
+  for (const auto& p : sharded) p.mutable_grad().reset();
   std::fill(noted_->bits.begin(), noted_->bits.end(), 0);
   return true;
 }
 
-bool KeyGrads::allGradsSet() const {
-  if (sharded_.empty()) return false;
-  for (const auto& p : sharded_) {
+bool KeyGrads::allGradsSet(const std::vector<at::Tensor>& sharded) const {
+  if (placeholders_.empty()) return false;
+  checkCount(sharded.size(), placeholders_.size(), "allGradsSet");
+  for (const auto& p : sharded) {
     if (!p.grad().defined()) return false;
   }
   return true;

@@ -41,27 +41,30 @@ class KeyGrads {
   std::vector<int64_t> pushed() const;
   std::vector<int64_t> takePushed();
 
-  // The trainable parameters (indices), their sharded parameters and their placeholders, as
-  // Python made them; an empty list turns takeAll off.
-  void setPlaceholders(const std::vector<int64_t>& indices, std::vector<at::Tensor> sharded,
-                       std::vector<at::Tensor> placeholders);
+  // The trainable parameters (indices) and their placeholders, as Python made them; an empty
+  // list turns takeAll off. The sharded parameters themselves (and the barrier's views) are not
+  // held here: each call below gets them, unpacked from the Python objects at the call, so that
+  // nothing of ODC raises the use or weak count FSDP2's ``_apply`` (``model.to()``) checks
+  // before it swaps the tensor inside a parameter (and inside its .grad), and every call sees
+  // the tensor the parameter holds now. `sharded` is in the order of `indices`.
+  void setPlaceholders(const std::vector<int64_t>& indices, std::vector<at::Tensor> placeholders);
+  size_t numPlaced() const { return indices_.size(); }
   // The common push: every trainable parameter, and no other, got a gradient, and each holds its
   // placeholder in .grad. Then clears those .grad (FSDP2 sets them after the reduce-scatter) and
   // the noted set, and returns true; otherwise changes nothing and returns false.
-  bool takeAll();
+  bool takeAll(const std::vector<at::Tensor>& sharded);
   // Entering a minibatch, the common case: no sharded parameter given to setPlaceholders has a
   // .grad. Then puts each one's placeholder there and returns true; otherwise changes nothing and
   // returns false.
-  bool placeAll();
-  // The .grad each sharded parameter gets at the barrier where it got a gradient (views of its
-  // accumulator span, in the gradient dtype), as Python made them; empty turns finalize off.
-  void setViews(std::vector<at::Tensor> views);
+  bool placeAll(const std::vector<at::Tensor>& sharded);
   // The barrier, where placeAll entered the minibatch: each sharded parameter's .grad becomes its
-  // view where `got` (per parameter of the key) says it got a gradient, else None. False, and
-  // nothing changed, without views.
-  bool finalize(const std::vector<bool>& got);
+  // view (`views`: of its accumulator span, in the gradient dtype, as Python made them) where
+  // `got` (per parameter of the key) says it got a gradient, else None. False, and nothing
+  // changed, without views.
+  bool finalize(const std::vector<at::Tensor>& sharded, const std::vector<at::Tensor>& views,
+                const std::vector<bool>& got);
   // Whether every sharded parameter given to setPlaceholders has a .grad (false without any).
-  bool allGradsSet() const;
+  bool allGradsSet(const std::vector<at::Tensor>& sharded) const;
 
  private:
   struct Noted {
@@ -81,8 +84,8 @@ class KeyGrads {
   std::shared_ptr<Noted> noted_;  // shared with the hooks
   std::vector<Hook> hooks_;
   std::vector<uint64_t> all_bits_;  // the trainable parameters
-  std::vector<int64_t> indices_;    // of sharded_, placeholders_ and views_
-  std::vector<at::Tensor> sharded_, placeholders_, views_;
+  std::vector<int64_t> indices_;  // of placeholders_ (and of the callers' sharded and views)
+  std::vector<at::Tensor> placeholders_;
 };
 
 }  // namespace torch_odc

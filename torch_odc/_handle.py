@@ -175,11 +175,19 @@ class Handle:
         if self._released:
             return True
         if self._entered:
-            raise RuntimeError(
-                f"torch_odc: {self._where()}: release_memory() after this rank started the "
-                "minibatch in progress (a forward or an all-gather since the barrier): peers may "
-                "be reading its shards. Call it between minibatches: after minibatch_barrier() "
-                "(and optimizer.step()), before the next forward")
+            # Forwards only since the barrier (an evaluation, log-probs before an update): the
+            # minibatch in progress holds nothing yet and starts again after the restore. A
+            # gradient noted, pushed or carried would be lost: refused.
+            holding = [k.name for k in self._keys
+                       if k.reduced or k.calls.pushed() or any(
+                           p is _CARRY or isinstance(p, torch.Tensor) for p in k.prior)]
+            if holding:
+                raise RuntimeError(
+                    f"torch_odc: {self._where()}: release_memory() inside a minibatch that "
+                    f"holds gradients (of {', '.join(holding[:3])}"
+                    f"{', ...' if len(holding) > 3 else ''}): they would be lost. Call it "
+                    "between minibatches: after minibatch_barrier() (and optimizer.step()), or "
+                    "after forwards without backward")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # Every rank is past its last keyed call: no peer reads this rank's shards or pushes
@@ -189,6 +197,12 @@ class Handle:
         self._released_stats = self._backend._stats()
         for key in self._keys:
             _leave_region(key)
+            key.prior = [_USER if p is _USER else None for p in key.prior]
+            key.reduced, key.entered_clean = set(), False
+        # A minibatch entered by forwards only starts again at the next forward.
+        self._entered = False
+        self._publish_pending = self._eager
+        self._all_published, self._published = False, set()
         # The parameters living in the shard caches move into memory of their own (on the
         # same device: ``model.to("cpu")`` moves them on, as under FSDP2 alone).
         self._backend._evict_shards()

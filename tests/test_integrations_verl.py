@@ -106,6 +106,16 @@ def test_actor_lb_mini_moves_sequences(runs):
         assert abs(tokens[0][step] - tokens[1][step]) <= 28, tokens
 
 
+def test_param_and_optimizer_offload_equal_verl(runs):
+    """verl's param_offload and optimizer_offload under ODC: every phase switch of verl's train
+    and eval contexts releases ODC's memory and takes it back (on CPU ranks in one call), with
+    uneven microbatch counts, equal to verl's own engine with the same offload settings."""
+    counts = _compare(runs, "offload_odc", "offload_ref")
+    assert counts[0][:2] != counts[1][:2], counts
+    for rank in runs["ranks"]:
+        assert rank["offload_odc"]["after"] >= 4, rank["offload_odc"]["after"]
+
+
 def test_critic_uneven_counts_equal_verl(runs):
     counts = _compare(runs, "critic_odc", "critic_ref")
     assert counts[0] != counts[1], counts

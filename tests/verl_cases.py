@@ -15,6 +15,7 @@ sequence parallelism (dp 2 x sp 2; on CPU through the shims of install_cpu_ulyss
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -417,6 +418,14 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
     timed("mini_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, mini_data, 40, {})
     timed("mini_odc", mini_batch_run, rank, world, "odc", False, model_path, mini_data, 40,
           {"odc_balance": "mini", "odc_cost": "verl"})
+    # verl's param_offload / optimizer_offload: the engine's phase switches (train and eval
+    # contexts) release ODC's memory and take it back, every rank at the same point.
+    offload = {"engine": {"param_offload": True, "optimizer_offload": True}}
+    timed("offload_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, actor_data, 10,
+          copy.deepcopy(offload))
+    timed("offload_odc", mini_batch_run, rank, world, "odc", False, model_path, actor_data, 10,
+          copy.deepcopy(offload),
+          after=lambda worker: worker.engine.odc_handle.stats()["releases"])
     critic_data = [UNEVEN]
     timed("critic_ref", mini_batch_run, rank, world, "fsdp2", True, model_path, critic_data, 20, {})
     timed("critic_odc", mini_batch_run, rank, world, "odc", True, model_path, critic_data, 20, {})

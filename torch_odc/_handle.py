@@ -59,6 +59,7 @@ class Handle:
         # restore_memory(); the stats at the release stand in for the engine's.
         self._released = False
         self._released_stats: dict | None = None
+        self._releases = 0  # release_memory() calls that gave memory back
 
     @property
     def on_demand(self) -> bool:
@@ -208,6 +209,7 @@ class Handle:
         self._backend._evict_shards()
         self._backend._disconnect_engine()
         self._released = True
+        self._releases += 1
         self._accumulator_generation = None
         # Every rank has closed its mappings of every other rank's memory: what release
         # returns is free on every rank once this returns.
@@ -469,6 +471,7 @@ class Handle:
         else:
             out = self._backend._stats()
             out["released"] = False
+        out["releases"] = self._releases
         out["host_by_kind_s"] = {kind: c.s for kind, c in self._clocks.items()}
         out["host_s"] = sum(out["host_by_kind_s"].values())  # see _HostClock
         return out

@@ -111,11 +111,11 @@ def _option(engine_config, name: str):
 def _refusal(engine_config, model_config) -> str | None:
     """Why verl's configuration cannot run under ODC, or None."""
     if engine_config.offload_policy:
-        return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps shards in host memory, which "
-                "torch_odc.attach refuses. Use offload_policy=False")
-    if engine_config.param_offload:
-        return ("param_offload=True moves the shards to CPU between phases; ODC serves them "
-                "from where attach found them. Use param_offload=False")
+        return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps the shards in host memory "
+                "and copies them to the GPU at every all-gather; ODC serves peers' reads from "
+                "shards in device memory, so it would hold a device copy of every shard for the "
+                "whole minibatch: the memory the policy saves. Use param_offload=True (the "
+                "shards leave the GPU between phases, ODC's memory too) or offload_policy=False")
     if getattr(model_config, "enable_activation_offload", False):
         return "enable_activation_offload: not tried with ODC"
     return None
@@ -157,6 +157,20 @@ class ODCEngineMixin:
         if isinstance(_compat.default_backend(torch.device("cpu")), torch_odc._C.OdcBackend):
             return  # verl's mesh already runs over odc
         self.device_mesh = _odc_mesh(self.device_mesh)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """verl's phase switches (``param_offload``: the train and eval contexts move the model
+        to the CPU on exit and back on entry; ``optimizer_offload`` moves the optimizer state,
+        which ODC does not hold). Before the model leaves, ODC gives back everything it holds
+        (:func:`torch_odc.release_memory`: shard caches, accumulators, control words); when it
+        is back, ODC takes it again. verl switches on every rank at the same point, as both
+        calls need. On CPU ranks verl's device is the CPU and one call does both."""
+        handle = self.odc_handle if self.odc_active and model else None
+        if handle is not None and device == "cpu":
+            handle.release_memory()
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if handle is not None and (device != "cpu" or handle.device.type == "cpu"):
+            handle.restore_memory()
 
     def _build_fsdp_module(self, module):
         module = super()._build_fsdp_module(module)

@@ -111,6 +111,21 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     return handle
 
 
+def pre_forward_without_call(handle: Handle, module: torch.nn.Module) -> None:
+    """ODC's pre-forward of the unit that ``module`` is alone in, for a caller that unshards the
+    unit (FSDP2's public ``unshard()``) and reads its parameters without calling ``module``: a
+    loss that multiplies by an LM head's weight directly, as TRL's ``fused_lm_head`` does. It
+    runs what the unit's forward would run under ODC (see ``_Key.before_forward``; once per
+    minibatch it notes the unsharded parameters whose gradients the unit's reduce-scatter
+    pushes). A unit of several modules is left alone: another of its modules runs a forward.
+    A no-op for a handle left on FSDP2's collectives."""
+    if not handle.on_demand:
+        return
+    for key in handle._keys:
+        if len(key.unit.modules) == 1 and key.unit.modules[0] is module:
+            key.before_forward()
+
+
 def host_id() -> str:
     """This process's host, as attach compares it: ``ODC_HOST_ID`` if set (tests present ranks
     of one machine as several hosts with it), else the host name."""

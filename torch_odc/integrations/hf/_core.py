@@ -369,6 +369,19 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         key = getattr(self.model, "main_input_name", "input_ids")
         return [(n,) for n in _sequence_lengths(dataset, key)]
 
+    def _odc_row_images(self, dataset) -> list[tuple[int, ...]] | None:
+        """Per training row, the vision patches of each of its images (a vision-language
+        dataset; ``()`` for a text-only row), or None for a dataset without images. Called
+        after :meth:`_odc_row_lengths`. A row's images are planned with it: its patches count
+        in its cost, against an explicit cap with its tokens, and in the derived cap's
+        frontier (``_StepData.plain_up_to``); the collated microbatch must carry exactly them
+        (:meth:`_odc_check_images`)."""
+        return None
+
+    def _odc_collator_pads(self, collator) -> bool:
+        """Whether ``collator`` pads a microbatch's length to its ``pad_to_multiple_of``."""
+        return hasattr(collator, "pad_to_multiple_of")
+
     def get_train_dataloader(self):
         if not self._odc_steps_from_dataset:
             return super().get_train_dataloader()
@@ -382,12 +395,20 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if len(rows) != len(dataset):
             raise ValueError(f"torch_odc.integrations.hf: {len(rows)} row lengths for a training "
                              f"dataset of {len(dataset)} rows")
+        images = self._odc_row_images(dataset)
+        if images is not None:
+            images = [tuple(int(n) for n in im) for im in images]
+            if len(images) != len(rows):
+                raise ValueError(f"torch_odc.integrations.hf: {len(images)} rows' images for a "
+                                 f"training dataset of {len(rows)} rows")
+        patches = [sum(im) for im in images] if images is not None else None
         args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
             _compat.call(self, "_get_collator_with_removed_columns", self._odc_collator(),
                          description="training"),
-            [sum(r) for r in rows],
+            # LB-Mini's lengths (against an explicit cap): a row's tokens and vision patches.
+            [sum(r) + (patches[k] if patches else 0) for k, r in enumerate(rows)],
             self._odc_sequences_per_step,
             args.world_size,
             args.process_index,
@@ -395,12 +416,14 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
-            costs=_row_costs(rows, self.odc) if self.odc.planner is None else None,
+            costs=_row_costs(rows, self.odc, images) if self.odc.planner is None else None,
             **({"rows": rows, "per_device": _compat.read(self, "_train_batch_size"),
                 "padding_free": self._odc_padding_free(),
-                "plain_multiple": self._odc_plain_multiple} if self.odc.auto_cap else {}),
+                "plain_multiple": self._odc_plain_multiple,
+                "patches": patches} if self.odc.auto_cap else {}),
         )
         self._odc_rows_of_dataset = rows
+        self._odc_images_of_dataset = images
         self._odc_steps_per_epoch = steps.num_steps()
         return _StepLoader(
             steps, batch_sampler=_StepKeys(steps), collate_fn=_only,
@@ -418,7 +441,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         self._odc_plain_multiple = self._odc_multiple = 1 if free else own
         want = self.odc.pad_to_multiple_of
         if want is None:
-            takes = hasattr(collator, "pad_to_multiple_of") and not free
+            takes = self._odc_collator_pads(collator) and not free
             want = ODCConfig.AUTO_PAD_MULTIPLE if takes and self.args.device.type == "cuda" else 1
         if want == 1:
             return collator
@@ -427,7 +450,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want} "
                              "with a padding-free collator (its rows are concatenated, not "
                              "padded): leave it None")
-        if not hasattr(collator, "pad_to_multiple_of"):
+        if not self._odc_collator_pads(collator):
             raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want}, "
                              f"but the data collator {name} takes no pad_to_multiple_of")
         self._odc_multiple = multiple = math.lcm(own, want)
@@ -494,12 +517,21 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         lm_head]`` as one unit, but finds no final norm in a PEFT model and shards ``lm_head``
         alone. FSDP2's public ``unshard()`` (under ODC a one-sided read; a no-op when the unit
         is unsharded) leaves the weight a plain tensor; FSDP2 reshards the unit after the
-        backward, the barrier at the latest."""
+        backward, the barrier at the latest.
+
+        A unit of the head alone whose weight trains (a vision-language model: accelerate looks
+        for the final norm among the base model's children, and Qwen2-VL's is inside its
+        language model) also needs ODC's own pre-forward of the unit, which a forward would
+        run: it notes, once per minibatch, the unsharded parameters whose gradients the unit's
+        reduce-scatter then pushes. Without it the reduce-scatter finds no parameter that got
+        a gradient and stops ("reduce-scatter of FSDP unit 'lm_head' covers ... (none)")."""
         from torch.distributed.fsdp import FSDPModule
 
         head = self.accelerator.unwrap_model(self.model).get_output_embeddings()
         if isinstance(head, FSDPModule):
             head.unshard()
+            if self._odc_handle is not None:
+                torch_odc._attach.pre_forward_without_call(self._odc_handle, head)
 
     @staticmethod
     def _odc_all_reduce(values: list[float]) -> list[float]:
@@ -529,6 +561,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
 
         if step.assigned is not None and step.microbatches is None:
             self._odc_materialize(step)
+        self._odc_check_images(step)
         lap("collate")
         # Until the barrier returns, a checkpoint is refused (see _odc_check_save_point).
         self._odc_step_in_progress = step
@@ -578,6 +611,17 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
                 (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work,
                 **self._odc_autocap.describe())
+            if step.cap_frontier is not None:
+                record.update(cap_frontier=step.cap_frontier, plain_frontier=step.plain_frontier)
+        if getattr(self, "_odc_images_of_dataset", None) is not None:
+            from . import _vision
+
+            # This rank's microbatches: their dataset rows, and as collated (padded tokens,
+            # vision patches) each.
+            record["microbatch_rows"] = [list(mb) for mb in step.indices]
+            record["microbatch_sizes"] = [
+                (self._odc_batch_tokens(b), sum(_vision.image_patches(b, self._odc_where)))
+                for b in step.microbatches]
         self.odc_steps.append(record)
         return total.detach()
 
@@ -589,9 +633,20 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         same way: the counts agree) and collates this rank's."""
         rows, free = self._odc_rows_of_dataset, self._odc_padding_free()
         odc, plain = self._odc_multiple, self._odc_plain_multiple
-        step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
+        images = self._odc_images_of_dataset
+        patches = None
+        if step.plain_frontier is not None:
+            # Rows with images: no microbatch holds more padded tokens and more patches than
+            # one of the unmodified trainer's so far (each point's tokens less ODC's extra).
+            step.cap_frontier = cap = [(self._odc_autocap.cap(t), p)
+                                       for t, p in step.plain_frontier]
+            step.cap = max(t for t, _ in cap)
+            patches = [sum(im) for im in images]
+        else:
+            step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
         per_rank = [pack_padded(a, lambda i: row_shape(rows[i], free),
-                                lambda dims: round_up(dims[0], odc) if dims else 1, cap)
+                                lambda dims: round_up(dims[0], odc) if dims else 1, cap,
+                                patches.__getitem__ if patches is not None else None)
                     for a in step.assigned]
         mine = per_rank[self.args.process_index]
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
@@ -610,6 +665,24 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             "plain_padded_per_rank": [
                 sum(padded_tokens([rows[i] for i in c], free, plain) for c in chunks[r::world])
                 for r in range(world)]}
+        if patches is not None:  # and the vision patches each rank's step runs
+            step.work.update(
+                patches_per_rank=[sum(patches[i] for i in a) for a in step.assigned],
+                plain_patches_per_rank=[sum(patches[i] for c in chunks[r::world] for i in c)
+                                        for r in range(world)])
+
+    def _odc_check_images(self, step: ODCStep) -> None:
+        """Each collated microbatch carries exactly its rows' images, in order (what was
+        planned for it): a row's images travel with the row to whichever microbatch and rank
+        the plan gives it."""
+        images = getattr(self, "_odc_images_of_dataset", None)
+        if images is None:
+            return
+        from . import _vision
+
+        for batch, mb in zip(step.microbatches, step.indices, strict=True):
+            _vision.check_microbatch(batch, [n for i in mb for n in images[i]],
+                                     f"{self._odc_where}: step {step.step}")
 
     def _odc_probe(self, model):
         """While the derived cap is still measuring (the first step on GPUs): a forward hook

@@ -15,7 +15,8 @@ from torch_odc import balance
 
 from ._config import ODCConfig
 
-__all__ = ["ODCStep", "pack_padded", "padded_tokens", "plain_largest_microbatch", "row_shape"]
+__all__ = ["ODCStep", "fits", "frontier", "pack_padded", "padded_tokens",
+           "plain_largest_microbatch", "plain_microbatches", "row_shape"]
 
 
 class ODCStep:
@@ -27,18 +28,24 @@ class ODCStep:
     gathers nothing from it. With the derived cap (``ODCConfig.max_tokens_per_microbatch=None``)
     the loader hands out every rank's rows of the step (``assigned``, dataset indices) and this
     rank's features uncollated; the trainer packs and collates them in its own process
-    (``_odc_materialize``), where the cap is known."""
+    (``_odc_materialize``), where the cap is known. Rows with images (a vision-language
+    dataset) plan against ``plain_frontier``: (padded tokens, vision patches) of the unmodified
+    trainer's microbatches so far that no other of them holds fewer of both (see
+    ``plain_microbatches``); ``plain_tokens`` is then their largest padded tokens."""
 
-    __slots__ = ("assigned", "cap", "collate", "counts", "epoch", "features", "indices",
-                 "microbatches", "order_position", "plain_tokens", "step", "work")
+    __slots__ = ("assigned", "cap", "cap_frontier", "collate", "counts", "epoch", "features",
+                 "indices", "microbatches", "order_position", "plain_frontier", "plain_tokens",
+                 "step", "work")
 
     def __init__(self, microbatches, counts, indices, epoch, step, *, assigned=None,
-                 features=None, collate=None, plain_tokens=None, order_position=None):
+                 features=None, collate=None, plain_tokens=None, order_position=None,
+                 plain_frontier=None):
         self.microbatches, self.counts, self.indices = microbatches, counts, indices
         self.epoch, self.step = epoch, step
         self.assigned, self.features, self.collate = assigned, features, collate
         self.plain_tokens, self.order_position = plain_tokens, order_position
-        self.cap, self.work = None, None
+        self.plain_frontier = plain_frontier
+        self.cap, self.cap_frontier, self.work = None, None, None
 
     def __contains__(self, key) -> bool:
         return False
@@ -111,13 +118,48 @@ def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
                for i in range(0, len(rows), per_device))
 
 
+def plain_microbatches(rows: Sequence[Sequence[int]], patches: Sequence[int], per_device: int,
+                       padding_free: bool = False, multiple: int = 1) -> list[tuple[int, int]]:
+    """(padded tokens, vision patches) of each microbatch the unmodified trainer runs of
+    ``rows`` (a step's rows in order, ``patches[k]`` the vision patches of row k's images):
+    consecutive groups of ``per_device`` rows. A vision tower runs a microbatch's images
+    unpadded, one after another, so its patches add up."""
+    return [(padded_tokens(rows[i:i + per_device], padding_free, multiple),
+             sum(patches[i:i + per_device])) for i in range(0, len(rows), per_device)]
+
+
+def frontier(points) -> list[tuple[int, int]]:
+    """The (tokens, patches) points that no other point dominates (holds at least as many of
+    both), by tokens. A microbatch dominated by one of them needs no more memory than that
+    one, as far as its memory grows with its padded tokens and with its patches."""
+    best: list[tuple[int, int]] = []
+    for t, p in sorted(set(points), key=lambda x: (-x[0], -x[1])):
+        if not best or p > best[-1][1]:
+            best.append((t, p))
+    return sorted(best)
+
+
+def fits(cap, tokens: int, patches: int = 0) -> bool:
+    """Whether a microbatch of ``tokens`` padded tokens and ``patches`` vision patches fits
+    ``cap``: a token cap (rows without images), or a frontier of (tokens, patches) points (a
+    microbatch fits when one point holds at least as many of both)."""
+    if isinstance(cap, int):
+        return tokens <= cap and patches == 0
+    return any(tokens <= t and patches <= p for t, p in cap)
+
+
 def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[int, ...]]],
-                width: Callable[[tuple[int, ...]], int], cap: int) -> list[list[int]]:
+                width: Callable[[tuple[int, ...]], int], cap,
+                patches: Callable[[int], int] | None = None) -> list[list[int]]:
     """``positions`` into microbatches of at most ``cap`` padded tokens (a row above the cap
     alone). ``row(i)`` gives row i's ``(weight, dims)``: a microbatch pads every row to its
     largest of each dimension, so its padded tokens are the sum of its rows' weights times
     ``width(the largest of each dimension)`` (``padded_tokens``: sequences per row, times the
     longest rounded up; padding-free: each row's tokens, times ``width(()) = 1``).
+
+    Rows with images: ``patches(i)`` gives row i's vision patches (a microbatch's add up) and
+    ``cap`` is a frontier of (padded tokens, patches) points (:func:`fits`); the cutting below
+    minimizes the padded tokens as before (the patches are the same for any cutting).
 
     The rows are sorted largest first (ties by position) and cut into consecutive runs: as few
     runs as any cutting of that order allows and, among those, the fewest padded tokens in all.
@@ -126,6 +168,7 @@ def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[
     14400 fill as 7 x 1800 + 9 x 600 = 18000 padded tokens; cut as 4 x 1800 + 12 x 600 they
     are 14400. Deterministic."""
     info = {i: row(i) for i in positions}
+    extra = {i: (patches(i) if patches is not None else 0) for i in positions}
     widths: dict[tuple[int, ...], int] = {}
 
     def tokens(weight: int, dims: tuple[int, ...]) -> int:
@@ -143,19 +186,19 @@ def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[
     dims = None
     for i in order:
         dims = largest(dims, info[i][1])
-    if tokens(sum(info[i][0] for i in order), dims) <= cap:
+    if fits(cap, tokens(sum(info[i][0] for i in order), dims), sum(extra.values())):
         return [order]  # one microbatch holds them all
     # best[j]: (microbatches, padded tokens, start of the last run) of the best cutting of
     # order[:j]. The runs ending at j grow from the shortest; one past the cap ends the search
     # (a longer run pads at least as much).
     best: list[tuple[int, int, int]] = [(0, 0, 0)] + [(n + 1, 0, 0)] * n
     for j in range(1, n + 1):
-        weight, dims = 0, None
+        weight, dims, vision = 0, None, 0
         for i in range(j - 1, -1, -1):
             w, d = info[order[i]]
-            weight, dims = weight + w, largest(dims, d)
+            weight, dims, vision = weight + w, largest(dims, d), vision + extra[order[i]]
             size = tokens(weight, dims)
-            if size > cap and i < j - 1:
+            if not fits(cap, size, vision) and i < j - 1:
                 break
             count, padded, _ = best[i]
             if (count + 1, padded + size) < best[j][:2]:
@@ -338,15 +381,20 @@ class _LBMini:
         return balance.plan(lengths, world_size, cap, mode="mini", costs=costs).microbatches
 
 
-def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig) -> list[float] | None:
-    """Per row, the sum of its sequences' modeled costs; None when every row is one sequence
-    (LB-Mini then costs the lengths itself)."""
-    if all(len(r) == 1 for r in rows):
+def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig,
+               images: Sequence[Sequence[int]] | None = None) -> list[float] | None:
+    """Per row, the sum of its sequences' modeled costs and, for a row with images
+    (``images[k]``: the vision patches of each of row k's images), of its images' costs: each
+    image costs as a sequence of its patches under the same model (a vision tower attends
+    within an image; under ``"tokens"`` a patch costs as a token). None when every row is one
+    sequence without images (LB-Mini then costs the lengths itself)."""
+    if all(len(r) == 1 for r in rows) and not (images and any(images)):
         return None
-    flat = [n for r in rows for n in r]
+    parts = [(*r, *(images[k] if images else ())) for k, r in enumerate(rows)]
+    flat = [n for r in parts for n in r]
     seq = balance.sequence_costs(flat, config.cost, **config.cost_args)
     out, at = [], 0
-    for r in rows:
+    for r in parts:
         out.append(math.fsum(seq[at:at + len(r)]))
         at += len(r)
     return out
@@ -386,7 +434,7 @@ class _StepData(torch.utils.data.Dataset):
 
     def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
                  drop_last, costs=None, rows=None, per_device=None, padding_free=False,
-                 plain_multiple=1):
+                 plain_multiple=1, patches=None):
         self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
         self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -394,8 +442,11 @@ class _StepData(torch.utils.data.Dataset):
         # trainer's rows per microbatch, and how the collator lays rows out.
         self.rows, self.per_device, self.padding_free = rows, per_device, padding_free
         self.plain_multiple = plain_multiple  # the user's collator's pad_to_multiple_of
+        # Per row its images' vision patches in all, when the dataset has images: the derived
+        # cap is then a frontier of (padded tokens, patches) points (plain_up_to).
+        self.patches = patches
         self._orders: dict[int, list[int]] = {}
-        self._plain_max: tuple[int | None, list[int]] = (None, [])
+        self._plain_max: tuple[int | None, list] = (None, [])
 
     def __len__(self) -> int:  # what the Trainer reports as "Num examples"
         return len(self.lengths)
@@ -404,18 +455,25 @@ class _StepData(torch.utils.data.Dataset):
         n = len(self.lengths)
         return n // self.per_step if self.drop_last else math.ceil(n / self.per_step)
 
-    def plain_up_to(self, epoch: int, step: int) -> int:
+    def plain_up_to(self, epoch: int, step: int):
         """The padded tokens of the largest microbatch the unmodified trainer runs in this
         epoch up to and including ``step``: its peak memory so far, which the derived cap
-        matches (a per-step match would be stricter than the run's peak asks)."""
+        matches (a per-step match would be stricter than the run's peak asks). With images,
+        the frontier of its microbatches so far as (padded tokens, patches) points
+        (:func:`frontier`): an ODC microbatch holding no more of both than one of them."""
         if self._plain_max[0] != epoch:
             order, n = self.order(epoch), self.num_steps()
-            best, prefix = 0, []
+            best, prefix = ([] if self.patches is not None else 0), []
             for k in range(n):
                 ids = order[k * self.per_step:(k + 1) * self.per_step]
-                best = max(best, plain_largest_microbatch(
-                    [self.rows[i] for i in ids], self.per_device, self.padding_free,
-                    self.plain_multiple))
+                rows = [self.rows[i] for i in ids]
+                if self.patches is not None:
+                    best = frontier([*best, *plain_microbatches(
+                        rows, [self.patches[i] for i in ids], self.per_device,
+                        self.padding_free, self.plain_multiple)])
+                else:
+                    best = max(best, plain_largest_microbatch(
+                        rows, self.per_device, self.padding_free, self.plain_multiple))
                 prefix.append(best)
             self._plain_max = (epoch, prefix)
         return self._plain_max[1][step]
@@ -439,14 +497,21 @@ class _StepData(torch.utils.data.Dataset):
         lengths = [self.lengths[i] for i in ids]
         if self.rows is not None:  # the derived cap: LB-Mini assigns rows to ranks here
             plain = self.plain_up_to(epoch, step)
+            points = None
+            if self.patches is not None:  # LB-Mini's own packing: tokens and patches as one
+                points, plain = plain, max(t for t, _ in plain)
+                cap = max(t + p for t, p in points)
+            else:
+                cap = plain
             costs = [self.costs[i] for i in ids] if self.costs is not None else None
-            plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=plain),
+            plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=cap),
                                  len(ids), self.world, step)
             assigned = [[ids[j] for mb in p for j in mb] for p in plan]
             features = {i: self.dataset[i] for i in assigned[self.rank]}
             return ODCStep(None, None, None, epoch, step, assigned=assigned, features=features,
                            collate=self.collate, plain_tokens=plain,
-                           order_position={i: j for j, i in enumerate(ids)})
+                           order_position={i: j for j, i in enumerate(ids)},
+                           plain_frontier=points)
         if self.costs is not None and isinstance(self.planner, _LBMini):
             plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
         else:

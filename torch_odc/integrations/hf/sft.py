@@ -36,6 +36,40 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
     def _odc_padding_free(self) -> bool:
         return bool(getattr(self.args, "padding_free", False))
 
+    # -- vision-language datasets (rows with images; see _vision) -------------------------------
+
+    def _odc_vision(self) -> bool:
+        return bool(_compat.read(self, "_is_vision_dataset", False))
+
+    def _odc_row_lengths(self, dataset) -> list[tuple[int, ...]]:
+        # A vision dataset is not tokenized before training (TRL's collator processes the
+        # images per batch): each row is collated alone once, by the trainer's own collator,
+        # for its tokens (image placeholders expanded, truncation applied) and its images'
+        # patches. Exact for any row whose collation does not depend on its batchmates (the
+        # check per microbatch, _odc_check_images, holds the collator to it).
+        self._odc_vision_rows = None
+        if not self._odc_vision():
+            return super()._odc_row_lengths(dataset)
+        from . import _vision
+
+        lengths, images = [], []
+        for i in range(len(dataset)):
+            n, im = _vision.row_sizes(self.data_collator([dataset[i]]),
+                                      f"{self._odc_where}: training row {i}")
+            lengths.append((n,))
+            images.append(im)
+        self._odc_vision_rows = images
+        return lengths
+
+    def _odc_row_images(self, dataset):
+        return getattr(self, "_odc_vision_rows", None)
+
+    def _odc_collator_pads(self, collator) -> bool:
+        # TRL's vision collator refuses pad_to_multiple_of for prompt-completion rows.
+        if self._odc_vision() and "prompt" in next(iter(self.train_dataset)):
+            return False
+        return super()._odc_collator_pads(collator)
+
     def _odc_metric_keys(self) -> tuple[str, ...]:
         return (*super()._odc_metric_keys(), "valid", "entropy", "correct", "tokens")
 

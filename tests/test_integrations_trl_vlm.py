@@ -1,0 +1,361 @@
+"""A vision-language model under torch_odc.integrations.hf's TRL SFTTrainer adapter, on 2 CPU
+ranks: a tiny Qwen2-VL built from a config (random weights, fp32, nothing downloaded; see
+vlm_helpers.py), conversations with 0, 1 or 2 images each.
+
+One launch of 2 ranks runs three trainings of 3 steps (6 rows a step) one after another:
+
+* ``plain``: the unmodified TRL SFTTrainer on 2 ranks (on CPU ranks accelerate gives it DDP),
+  every row with images, so that every rank's microbatch has images: the setting the unmodified
+  trainer can run (plain FSDP2 aborts when one rank's microbatch has images and another's none).
+* ``images``: the ODC SFTTrainer on the same data with its defaults (LB-Mini with patches in the
+  cost, the derived cap as a frontier of (padded tokens, patches)). Its parameters, logged
+  metrics and every step's gradient equal ``plain``'s.
+* ``mixed``: the ODC SFTTrainer on mixed rows with fixed plans: step 0 counts [2, 1] where rank 1's
+  microbatch is text-only (it runs no vision forward), step 1 counts [0, 3] (rank 0 runs
+  nothing; rank 1 runs a text-only and two image microbatches), step 2 LB-Mini with an explicit
+  cap over tokens plus patches. Every step's gradient (after the barrier and clipping) and its
+  logged loss and grad norm equal a single-process reference computed here, in the test
+  process, at the same parameters: the whole step in one batch collated by TRL's collator, the
+  model's own loss (full logits, not TRL's fused head), clipped as torch clips.
+
+Plus the planning pieces without ranks: a row's patches in its cost, the frontier cap, and the
+refusal of vision fields other than Qwen2-VL's, named."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("PIL")
+
+import vlm_helpers as V
+from hf_helpers import full_params, set_rank_env
+from multiproc import run_ranks
+
+WORLD = 2
+PER_DEVICE = 3
+STEPS = 3
+PER_STEP = PER_DEVICE * WORLD
+LR = 1e-2
+MAX_GRAD_NORM = 1.0  # below every step's norm here (2-5): clipping acts in every step
+# Images per row, 3 steps of 6 rows in dataset order (train_sampling_strategy="sequential").
+ALL_IMAGES = [1, 2, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 2]
+MIXED = [1, 0, 2, 0, 1, 0, 0, 1, 0, 2, 1, 0, 2, 0, 0, 1, 0, 1]
+# plan[step][rank]: microbatches as positions into the step's 6 rows; step 2 is LB-Mini's.
+FIXED_PLANS = {
+    0: [[[0, 2], [4]], [[1, 3, 5]]],        # rank 1: one text-only microbatch
+    1: [[], [[0, 2, 5], [1], [3, 4]]],      # rank 0: none; rank 1: text-only, image, image
+}
+WANT_COUNTS = [[2, 1], [0, 3]]
+CAP = 120  # the mixed run's explicit cap, tokens plus patches
+# fp32 on CPU: the same sums in another order. A microbatch lost, run twice, or a row's images
+# given to another row would move gradients by ~1e-2.
+GRAD_ATOL, GRAD_RTOL = 2e-6, 1e-5
+PARAM_ATOL = 1e-5  # after 3 AdamW steps (as the other SFT tests)
+
+
+def expected_row(row) -> tuple[int, int, list[int]]:
+    """A row's tokens, patches and patches per image, worked out from the image sizes and the
+    template, not by the adapter: each image resized by Qwen2-VL's smart_resize to multiples
+    of PATCH * MERGE pixels, one patch per PATCH x PATCH pixels, and in the text
+    <|vision_start|> + patches / MERGE**2 image tokens + <|vision_end|>."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patches = []
+    for image in row["images"]:
+        w, h = image.size
+        rh, rw = smart_resize(h, w, factor=V.PATCH * V.MERGE, min_pixels=V.MIN_PIXELS,
+                              max_pixels=V.MAX_PIXELS)
+        patches.append((rh // V.PATCH) * (rw // V.PATCH))
+    words = sum(len(m["content"].split()) for m in row["messages"])
+    return words + sum(2 + p // V.MERGE**2 for p in patches), sum(patches), patches
+
+
+def planner(lengths, world, step):
+    from hf_helpers import fixed_or_lb_mini
+
+    rows = V.rows(MIXED)[step * PER_STEP:(step + 1) * PER_STEP]
+    # The lengths the adapter plans by: each row's tokens plus its images' patches.
+    want = [t + p for t, p, _ in map(expected_row, rows)]
+    assert list(lengths) == want, (step, list(lengths), want)
+    return fixed_or_lb_mini(FIXED_PLANS, lengths, world, step, cap=CAP)
+
+
+def full_grads(model) -> dict:
+    """Every parameter's gradient, unsharded, on CPU (None where it has none)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model = getattr(model, "module", model)
+    local = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        local[n] = None if g is None else (
+            g.to_local() if isinstance(g, DTensor) else g).detach().cpu().clone()
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return local
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: local[n] for n in sharded})
+    out = {}
+    for n, g in local.items():
+        if n not in sharded:
+            out[n] = g
+        else:
+            parts = [s[n] for s in shards]
+            assert all((x is None) == (parts[0] is None) for x in parts), n
+            out[n] = None if parts[0] is None else torch.cat(parts)
+    return out
+
+
+def _train(kind: str) -> dict:
+    import datasets
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from torch_odc.integrations.hf import ODCConfig, odc_trainer
+
+    odc = kind != "plain"
+    data = datasets.Dataset.from_list(V.rows(MIXED if kind == "mixed" else ALL_IMAGES))
+    model = V.build_model()
+    captured = []
+    vision_calls = [0]
+    model.model.visual.register_forward_hook(lambda *_: vision_calls.__setitem__(
+        0, vision_calls[0] + 1))
+
+    class Capture(TrainerCallback):
+        """After the barrier and the clipping, before the optimizer: the step's gradient, the
+        parameters it was taken at, and this rank's vision forwards in the step."""
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            captured.append({"grads": full_grads(trainer.model),
+                             "params": full_params(trainer.model),
+                             "vision_calls": vision_calls[0]})
+            vision_calls[0] = 0
+
+    args = SFTConfig(
+        output_dir=tempfile.mkdtemp(prefix="odc-vlm-"), num_train_epochs=1, learning_rate=LR,
+        max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch", weight_decay=0.01, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential",
+        seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+        per_device_train_batch_size=PER_DEVICE, max_length=None,
+        **({"fsdp": True, "fsdp_config": {"version": 2}} if odc else {}))
+    extra = {}
+    if kind == "images":
+        extra["odc"] = ODCConfig()  # the defaults: LB-Mini, the derived cap
+    elif kind == "mixed":
+        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP, planner=planner)
+    cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
+    trainer = cls(model=model, args=args, train_dataset=data, processing_class=V.processor(),
+                  callbacks=[Capture()], **extra)
+    start = time.perf_counter()
+    trainer.train()
+    return {"params": full_params(trainer.model), "captured": captured,
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
+            "odc_steps": getattr(trainer, "odc_steps", None),
+            "seconds": time.perf_counter() - start}
+
+
+def _ranks(rank, world):
+    set_rank_env(rank, world, port=29571)
+    return {kind: _train(kind) for kind in ("plain", "images", "mixed")}
+
+
+@functools.cache
+def runs():
+    start = time.perf_counter()
+    out = run_ranks(WORLD, _ranks, timeout=600)
+    print(f"\n2-rank launch: {time.perf_counter() - start:.1f} s; trainings "
+          + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in out[0].items()))
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((0.0 if x is None else (x - b[n]).abs().max().item()) for n, x in a.items())
+
+
+def _check_grads(got: dict, want: dict, where: str) -> float:
+    assert set(got) == set(want)
+    worst = 0.0
+    for name, ref in want.items():
+        g = got[name]
+        assert (g is None) == (ref is None), (where, name, g is None, ref is None)
+        if ref is None:
+            continue
+        torch.testing.assert_close(g, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                   msg=lambda m, n=name: f"{where} {n}: {m}")
+        worst = max(worst, (g - ref).abs().max().item())
+    return worst
+
+
+def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images():
+    out = runs()
+    plain = out[0]["plain"]
+    worst_grad = worst_param = 0.0
+    for rank in range(WORLD):
+        got = out[rank]["images"]
+        assert len(got["captured"]) == len(plain["captured"]) == STEPS
+        for s, (g, w) in enumerate(zip(got["captured"], plain["captured"], strict=True)):
+            worst_grad = max(worst_grad, _check_grads(g["grads"], w["grads"],
+                                                      f"rank {rank} step {s}"))
+        for name, ref in plain["params"].items():
+            torch.testing.assert_close(got["params"][name], ref, rtol=0, atol=PARAM_ATOL,
+                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+        worst_param = max(worst_param, _max_diff(got["params"], plain["params"]))
+        initial = {n: p.detach() for n, p in V.build_model().named_parameters()}
+        assert _max_diff(plain["params"], initial) > 100 * PARAM_ATOL  # training moved them
+        assert len(got["logs"]) == len(plain["logs"]) == STEPS
+        for mine, ref in zip(got["logs"], plain["logs"], strict=True):
+            assert set(mine) == set(ref), (sorted(mine), sorted(ref))
+            for key, value in ref.items():
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (rank, key)
+        assert all(h["grad_norm"] > MAX_GRAD_NORM for h in got["logs"])  # clipping acted
+        check_frontier(got["odc_steps"])
+    print(f"images vs unmodified TRL (2 ranks): max |grad diff| {worst_grad:.2e}, "
+          f"max |param diff| after {STEPS} steps {worst_param:.2e} (counts "
+          f"{[s['microbatches'] for s in out[0]['images']['odc_steps']]})")
+
+
+def check_frontier(steps):
+    """The derived cap with images: the unmodified trainer's microbatches so far (PER_DEVICE
+    consecutive rows: their padded tokens and patches) as a frontier, and every ODC
+    microbatch within one of its points."""
+    import trl  # noqa: F401  (vlm_helpers' rows need PIL only)
+
+    from torch_odc.integrations.hf._steps import frontier
+
+    rows = [expected_row(r) for r in V.rows(ALL_IMAGES)]
+    points = []
+    for s, record in enumerate(steps):
+        step = rows[s * PER_STEP:(s + 1) * PER_STEP]
+        for i in range(0, PER_STEP, PER_DEVICE):
+            group = step[i:i + PER_DEVICE]
+            points.append((len(group) * max(t for t, _, _ in group), sum(p for _, p, _ in group)))
+        assert [tuple(p) for p in record["plain_frontier"]] == frontier(points), (s, record)
+        assert record["cap_frontier"] == record["plain_frontier"]  # CPU: nothing subtracted
+        assert record["microbatch_sizes"], record
+        for tokens, patches in record["microbatch_sizes"]:
+            assert any(tokens <= t and patches <= p for t, p in record["cap_frontier"]), record
+        assert sum(record["patches_per_rank"]) == sum(p for _, p, _ in step)
+        assert sum(record["plain_patches_per_rank"]) == sum(p for _, p, _ in step)
+
+
+def _reference_step(params: dict, rows: list) -> tuple[float, float, dict]:
+    """One process, no ODC, no FSDP: the step's rows as one batch (TRL's vision collator), the
+    model's own loss (the token mean over the step), the gradient clipped as
+    torch.nn.utils.clip_grad_norm_ clips. Returns (loss, norm before clipping, gradients)."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    model = V.build_model()
+    model.load_state_dict(params)
+    model.train()
+    batch = DataCollatorForVisionLanguageModeling(processor=V.processor())(rows)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.detach().clone()
+             for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None))
+    coef = min(1.0, MAX_GRAD_NORM / (norm + 1e-6))
+    return float(loss.detach()), norm, {n: None if g is None else g * coef for n, g in grads.items()}
+
+
+def test_mixed_image_and_text_only_microbatches_equal_one_process():
+    out = runs()
+    data = V.rows(MIXED)
+    worst = 0.0
+    refs = [_reference_step(out[0]["mixed"]["captured"][s]["params"],
+                            data[s * PER_STEP:(s + 1) * PER_STEP]) for s in range(STEPS)]
+    for rank in range(WORLD):
+        got = out[rank]["mixed"]
+        counts = [s["microbatches"] for s in got["odc_steps"]]
+        assert counts[:2] == WANT_COUNTS, counts
+        assert len(counts) == STEPS == len(got["captured"]) == len(got["logs"])
+        for s, record in enumerate(got["odc_steps"]):
+            # This rank ran the vision tower once per microbatch of its with an image, and
+            # never for a text-only one (no dummy image).
+            with_images = sum(any(MIXED[i] for i in mb) for mb in record["microbatch_rows"])
+            assert got["captured"][s]["vision_calls"] == with_images, (rank, s, record)
+            if (rank, s) == (1, 0):
+                assert with_images == 0  # its only microbatch is text-only
+            sizes = record["microbatch_sizes"]
+            assert len(sizes) == counts[s][rank]
+        for s, (loss, norm, ref) in enumerate(refs):
+            cap = got["captured"][s]
+            if rank:  # both ranks took the step at the same parameters
+                assert _max_diff(cap["params"], out[0]["mixed"]["captured"][s]["params"]) == 0
+            worst = max(worst, _check_grads(cap["grads"], ref, f"rank {rank} step {s}"))
+            assert got["logs"][s]["loss"] == pytest.approx(loss, rel=1e-6), (rank, s)
+            assert got["logs"][s]["grad_norm"] == pytest.approx(norm, rel=1e-5), (rank, s)
+            assert norm > MAX_GRAD_NORM
+    print(f"mixed vs one process: max |grad diff| {worst:.2e} over {STEPS} steps "
+          f"(counts {[s['microbatches'] for s in out[0]['mixed']['odc_steps']]})")
+
+
+# -- the planning pieces, without ranks ---------------------------------------------------------
+
+
+def test_a_rows_patches_count_in_its_cost():
+    from torch_odc.integrations.hf import ODCConfig
+    from torch_odc.integrations.hf._steps import _row_costs
+
+    # tokens: a patch costs as a token; flops: each image as a sequence of its patches.
+    assert _row_costs([(10,), (10,)], ODCConfig(), [(16, 4), ()]) == [30.0, 10.0]
+    assert _row_costs([(10,), (10,)], ODCConfig()) is None  # LB-Mini costs the lengths
+    flops = ODCConfig(cost="flops")
+    from torch_odc import balance
+
+    one = balance.sequence_costs([10, 16, 4], "flops")
+    assert _row_costs([(10,)], flops, [(16, 4)]) == [pytest.approx(math.fsum(one))]
+
+
+def test_the_derived_cap_with_images_is_a_frontier():
+    from torch_odc.integrations.hf._steps import fits, frontier, pack_padded
+
+    assert frontier([(10, 5), (8, 9), (10, 3), (7, 2), (12, 0)]) == [(8, 9), (10, 5), (12, 0)]
+    cap = [(8, 9), (10, 5)]
+    assert fits(cap, 8, 9) and fits(cap, 10, 5) and not fits(cap, 9, 6) and not fits(cap, 11, 0)
+    assert fits(10, 10) and not fits(10, 10, 1)  # a token cap: rows without images
+    # Rows (tokens, patches): padded to the longest, patches added.
+    rows = {0: (4, 0), 1: (4, 8), 2: (2, 4), 3: (2, 0)}
+    packed = pack_padded(list(rows), lambda i: (1, (rows[i][0],)), lambda d: d[0], [(8, 8)],
+                         lambda i: rows[i][1])
+    assert sorted(map(sorted, packed)) == [[0, 1], [2, 3]]  # 2 x 4 tokens and 8 patches, ...
+    for mb in packed:
+        assert fits([(8, 8)], len(mb) * max(rows[i][0] for i in mb), sum(rows[i][1] for i in mb))
+
+
+@pytest.mark.parametrize("field", ["image_sizes", "pixel_attention_mask", "token_type_ids",
+                                   "pixel_values_videos", "video_grid_thw"])
+def test_another_families_vision_field_is_refused_by_name(field):
+    from torch_odc.integrations.hf import _vision
+
+    batch = {"input_ids": torch.ones(1, 5, dtype=torch.long),
+             "attention_mask": torch.ones(1, 5, dtype=torch.long),
+             "pixel_values": torch.zeros(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+             field: torch.zeros(1, 2)}
+    with pytest.raises(ValueError, match=f"'{field}', a vision-language field ODC does not plan"):
+        _vision.row_sizes(batch, "test")
+
+
+def test_dense_pixel_values_are_refused_by_name():
+    from torch_odc.integrations.hf import _vision
+
+    batch = {"input_ids": torch.ones(1, 5, dtype=torch.long),
+             "pixel_values": torch.zeros(1, 3, 8, 8)}
+    with pytest.raises(ValueError, match="'pixel_values' without 'image_grid_thw'"):
+        _vision.row_sizes(batch, "test")
+    assert _vision.row_sizes({"input_ids": torch.ones(1, 5, dtype=torch.long),
+                              "pixel_values": torch.zeros(20, 96),
+                              "image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]])},
+                             "test") == (5, (4, 16))
+    with pytest.raises(RuntimeError, match="are not its rows'"):
+        _vision.check_microbatch({"pixel_values": torch.zeros(16, 96),
+                                  "image_grid_thw": torch.tensor([[1, 4, 4]])}, [4, 12], "test")

@@ -10,7 +10,8 @@ One launch of 2 ranks runs three trainings of 3 steps (6 rows a step) one after 
 * ``images``: the ODC SFTTrainer on the same data with its defaults (LB-Mini with patches in the
   cost, the derived cap as a frontier of (padded tokens, patches)). Its parameters, logged
   metrics and every step's gradient equal ``plain``'s.
-* ``mixed``: the ODC SFTTrainer on mixed rows with fixed plans: step 0 counts [2, 1] where rank 1's
+* ``mixed`` (Qwen2-VL) and ``mixed25`` (Qwen2.5-VL, whose vision tower attends within windows
+  in one block): the ODC SFTTrainer on mixed rows with fixed plans: step 0 counts [2, 1] where rank 1's
   microbatch is text-only (it runs no vision forward), step 1 counts [0, 3] (rank 0 runs
   nothing; rank 1 runs a text-only and two image microbatches), step 2 LB-Mini with an explicit
   cap over tokens plus patches. Every step's gradient (after the barrier and clipping) and its
@@ -55,7 +56,9 @@ FIXED_PLANS = {
     1: [[], [[0, 2, 5], [1], [3, 4]]],      # rank 0: none; rank 1: text-only, image, image
 }
 WANT_COUNTS = [[2, 1], [0, 3]]
-CAP = 120  # the mixed run's explicit cap, tokens plus patches
+CAP = 120  # the mixed runs' explicit cap, tokens plus patches
+FAMILY = {"plain": "qwen2_vl", "images": "qwen2_vl", "mixed": "qwen2_vl",
+          "mixed25": "qwen2_5_vl"}  # the trainings of the launch, in order
 # fp32 on CPU: the same sums in another order. A microbatch lost, run twice, or a row's images
 # given to another row would move gradients by ~1e-2.
 GRAD_ATOL, GRAD_RTOL = 2e-6, 1e-5
@@ -124,8 +127,10 @@ def _train(kind: str) -> dict:
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     odc = kind != "plain"
-    data = datasets.Dataset.from_list(V.rows(MIXED if kind == "mixed" else ALL_IMAGES))
-    model = V.build_model()
+    mixed = kind.startswith("mixed")
+    family = FAMILY[kind]
+    data = datasets.Dataset.from_list(V.rows(MIXED if mixed else ALL_IMAGES))
+    model = V.build_model(family)
     captured = []
     vision_calls = [0]
     model.model.visual.register_forward_hook(lambda *_: vision_calls.__setitem__(
@@ -151,10 +156,11 @@ def _train(kind: str) -> dict:
     extra = {}
     if kind == "images":
         extra["odc"] = ODCConfig()  # the defaults: LB-Mini, the derived cap
-    elif kind == "mixed":
+    elif mixed:
         extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP, planner=planner)
     cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
-    trainer = cls(model=model, args=args, train_dataset=data, processing_class=V.processor(),
+    trainer = cls(model=model, args=args, train_dataset=data,
+                  processing_class=V.processor(family),
                   callbacks=[Capture()], **extra)
     start = time.perf_counter()
     trainer.train()
@@ -166,7 +172,7 @@ def _train(kind: str) -> dict:
 
 def _ranks(rank, world):
     set_rank_env(rank, world, port=29571)
-    return {kind: _train(kind) for kind in ("plain", "images", "mixed")}
+    return {kind: _train(kind) for kind in FAMILY}
 
 
 @functools.cache
@@ -248,16 +254,16 @@ def check_frontier(steps):
         assert sum(record["plain_patches_per_rank"]) == sum(p for _, p, _ in step)
 
 
-def _reference_step(params: dict, rows: list) -> tuple[float, float, dict]:
+def _reference_step(params: dict, rows: list, family: str) -> tuple[float, float, dict]:
     """One process, no ODC, no FSDP: the step's rows as one batch (TRL's vision collator), the
     model's own loss (the token mean over the step), the gradient clipped as
     torch.nn.utils.clip_grad_norm_ clips. Returns (loss, norm before clipping, gradients)."""
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    model = V.build_model()
+    model = V.build_model(family)
     model.load_state_dict(params)
     model.train()
-    batch = DataCollatorForVisionLanguageModeling(processor=V.processor())(rows)
+    batch = DataCollatorForVisionLanguageModeling(processor=V.processor(family))(rows)
     loss = model(**batch).loss
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone()
@@ -267,14 +273,16 @@ def _reference_step(params: dict, rows: list) -> tuple[float, float, dict]:
     return float(loss.detach()), norm, {n: None if g is None else g * coef for n, g in grads.items()}
 
 
-def test_mixed_image_and_text_only_microbatches_equal_one_process():
+@pytest.mark.parametrize("kind", ["mixed", "mixed25"])
+def test_mixed_image_and_text_only_microbatches_equal_one_process(kind):
     out = runs()
     data = V.rows(MIXED)
     worst = 0.0
-    refs = [_reference_step(out[0]["mixed"]["captured"][s]["params"],
-                            data[s * PER_STEP:(s + 1) * PER_STEP]) for s in range(STEPS)]
+    refs = [_reference_step(out[0][kind]["captured"][s]["params"],
+                            data[s * PER_STEP:(s + 1) * PER_STEP], FAMILY[kind])
+            for s in range(STEPS)]
     for rank in range(WORLD):
-        got = out[rank]["mixed"]
+        got = out[rank][kind]
         counts = [s["microbatches"] for s in got["odc_steps"]]
         assert counts[:2] == WANT_COUNTS, counts
         assert len(counts) == STEPS == len(got["captured"]) == len(got["logs"])
@@ -290,13 +298,13 @@ def test_mixed_image_and_text_only_microbatches_equal_one_process():
         for s, (loss, norm, ref) in enumerate(refs):
             cap = got["captured"][s]
             if rank:  # both ranks took the step at the same parameters
-                assert _max_diff(cap["params"], out[0]["mixed"]["captured"][s]["params"]) == 0
+                assert _max_diff(cap["params"], out[0][kind]["captured"][s]["params"]) == 0
             worst = max(worst, _check_grads(cap["grads"], ref, f"rank {rank} step {s}"))
             assert got["logs"][s]["loss"] == pytest.approx(loss, rel=1e-6), (rank, s)
             assert got["logs"][s]["grad_norm"] == pytest.approx(norm, rel=1e-5), (rank, s)
             assert norm > MAX_GRAD_NORM
-    print(f"mixed vs one process: max |grad diff| {worst:.2e} over {STEPS} steps "
-          f"(counts {[s['microbatches'] for s in out[0]['mixed']['odc_steps']]})")
+    print(f"{kind} ({FAMILY[kind]}) vs one process: max |grad diff| {worst:.2e} over {STEPS} "
+          f"steps (counts {[s['microbatches'] for s in out[0][kind]['odc_steps']]})")
 
 
 # -- the planning pieces, without ranks ---------------------------------------------------------

@@ -36,14 +36,20 @@ def tokenizer():
     return out
 
 
-def processor():
-    """Qwen2-VL's processor with the PIL image processor and no video processor."""
-    from transformers import Qwen2VLProcessor
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def processor(family: str = "qwen2_vl"):
+    """The family's processor with the PIL image processor and no video processor."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    base = {"qwen2_vl": transformers.Qwen2VLProcessor,
+            "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}[family]
+
+    class ImagesOnlyProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             super().__init__(image_processor=image_processor, tokenizer=tokenizer,
                              video_processor=None, chat_template=chat_template, **kwargs)
@@ -51,31 +57,41 @@ def processor():
     images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE,
                                       temporal_patch_size=TEMPORAL, min_pixels=MIN_PIXELS,
                                       max_pixels=MAX_PIXELS)
-    return ImagesOnlyQwen2VLProcessor(images, tokenizer(), chat_template=TEMPLATE)
+    return ImagesOnlyProcessor(images, tokenizer(), chat_template=TEMPLATE)
 
 
-def build_model():
-    """Qwen2-VL with 2 text layers (hidden 32, head_dim 8: mrope_section sums to 4) and a
-    2-block vision tower (embed 16), random weights from seed 0, fp32."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def build_model(family: str = "qwen2_vl"):
+    """Qwen2-VL (or Qwen2.5-VL) with 2 text layers (hidden 32, head_dim 8: mrope_section sums
+    to 4) and a 2-block vision tower (Qwen2.5-VL: block 0 attends within windows of 2 x 2
+    merged patches, block 1 over the whole image), random weights from seed 0, fp32."""
+    import transformers
 
     tok = tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in VISION_TOKENS}
-    config = Qwen2VLConfig(
-        text_config={"vocab_size": VOCAB + len(VISION_TOKENS), "hidden_size": 32,
-                     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "max_position_embeddings": 256,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                         "mrope_section": [1, 1, 2]},
-                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1},
-        vision_config={"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2,
-                       "patch_size": PATCH, "spatial_merge_size": MERGE,
-                       "temporal_patch_size": TEMPORAL, "in_channels": 3},
+    text = {"vocab_size": VOCAB + len(VISION_TOKENS), "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [1, 1, 2]},
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+    vision = {"depth": 2, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE,
+              "temporal_patch_size": TEMPORAL, "in_channels": 3}
+    if family == "qwen2_vl":
+        vision.update(embed_dim=16, hidden_size=32)
+        config_class = transformers.Qwen2VLConfig
+        model_class = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                      window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1])
+        config_class = transformers.Qwen2_5_VLConfig
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    config = config_class(
+        text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)
     torch.manual_seed(0)
-    return Qwen2VLForConditionalGeneration(config)
+    return model_class(config)
 
 
 def rows(images_per_row, seed: str = "vlm") -> list[dict]:

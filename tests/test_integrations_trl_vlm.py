@@ -1,8 +1,9 @@
-"""A vision-language model under torch_odc.integrations.hf's TRL SFTTrainer adapter, on 2 CPU
-ranks: a tiny Qwen2-VL built from a config (random weights, fp32, nothing downloaded; see
-vlm_helpers.py), conversations with 0, 1 or 2 images each.
+"""A vision-language model under torch_odc.integrations.hf's TRL SFTTrainer and DPOTrainer
+adapters, on 2 CPU ranks: a tiny Qwen2-VL built from a config (random weights, fp32, nothing
+downloaded; see vlm_helpers.py), conversations (SFT) or preference pairs (DPO) with 0, 1 or 2
+images each.
 
-One launch of 2 ranks runs three trainings of 3 steps (6 rows a step) one after another:
+One launch of 2 ranks runs seven trainings of 3 steps (6 rows a step) one after another:
 
 * ``plain``: the unmodified TRL SFTTrainer on 2 ranks (on CPU ranks accelerate gives it DDP),
   every row with images, so that every rank's microbatch has images: the setting the unmodified
@@ -11,13 +12,15 @@ One launch of 2 ranks runs three trainings of 3 steps (6 rows a step) one after 
   cost, the derived cap as a frontier of (padded tokens, patches)). Its parameters, logged
   metrics and every step's gradient equal ``plain``'s.
 * ``mixed`` (Qwen2-VL) and ``mixed25`` (Qwen2.5-VL, whose vision tower attends within windows
-  in one block): the ODC SFTTrainer on mixed rows with fixed plans: step 0 counts [2, 1] where rank 1's
-  microbatch is text-only (it runs no vision forward), step 1 counts [0, 3] (rank 0 runs
-  nothing; rank 1 runs a text-only and two image microbatches), step 2 LB-Mini with an explicit
-  cap over tokens plus patches. Every step's gradient (after the barrier and clipping) and its
-  logged loss and grad norm equal a single-process reference computed here, in the test
-  process, at the same parameters: the whole step in one batch collated by TRL's collator, the
-  model's own loss (full logits, not TRL's fused head), clipped as torch clips.
+  in one block): the ODC SFTTrainer on mixed rows with fixed plans: step 0 counts [2, 1] where
+  rank 1's microbatch is text-only (it runs no vision forward), step 1 counts [0, 3] (rank 0
+  runs nothing; rank 1 runs a text-only and two image microbatches), step 2 LB-Mini with an
+  explicit cap over tokens plus patches. Every step's gradient (after the barrier and
+  clipping) and its logged loss and grad norm equal a single-process reference computed here,
+  in the test process, at the same parameters: the whole step in one batch collated by TRL's
+  collator, the loss from the model's own logits (not TRL's fused head), clipped as torch clips.
+* ``dpo_plain``, ``dpo_images``, ``dpo_mixed``: the same three for DPOTrainer (sigmoid loss, a
+  separate reference model), the reference's DPO loss written out from the logits.
 
 Plus the planning pieces without ranks: a row's patches in its cost, the frontier cap, and the
 refusal of vision fields other than Qwen2-VL's, named."""
@@ -46,7 +49,8 @@ PER_DEVICE = 3
 STEPS = 3
 PER_STEP = PER_DEVICE * WORLD
 LR = 1e-2
-MAX_GRAD_NORM = 1.0  # below every step's norm here (2-5): clipping acts in every step
+# Below every step's norm here (SFT 2-5; DPO ~0.3-0.6): clipping acts in every step.
+MAX_GRAD_NORM = {False: 1.0, True: 0.2}
 # Images per row, 3 steps of 6 rows in dataset order (train_sampling_strategy="sequential").
 ALL_IMAGES = [1, 2, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 2]
 MIXED = [1, 0, 2, 0, 1, 0, 0, 1, 0, 2, 1, 0, 2, 0, 0, 1, 0, 1]
@@ -56,9 +60,13 @@ FIXED_PLANS = {
     1: [[], [[0, 2, 5], [1], [3, 4]]],      # rank 0: none; rank 1: text-only, image, image
 }
 WANT_COUNTS = [[2, 1], [0, 3]]
-CAP = 120  # the mixed runs' explicit cap, tokens plus patches
+CAP = {False: 120, True: 240}  # the mixed runs' explicit cap (SFT, DPO): tokens plus patches
+# The trainings of the launch, in order: SFT, then DPO (dpo_*).
 FAMILY = {"plain": "qwen2_vl", "images": "qwen2_vl", "mixed": "qwen2_vl",
-          "mixed25": "qwen2_5_vl"}  # the trainings of the launch, in order
+          "mixed25": "qwen2_5_vl", "dpo_plain": "qwen2_vl", "dpo_images": "qwen2_vl",
+          "dpo_mixed": "qwen2_vl"}
+DPO_LR = 2e-2
+BETA = 0.1  # DPOConfig's default beta (loss_type sigmoid)
 # fp32 on CPU: the same sums in another order. A microbatch lost, run twice, or a row's images
 # given to another row would move gradients by ~1e-2.
 GRAD_ATOL, GRAD_RTOL = 2e-6, 1e-5
@@ -82,14 +90,35 @@ def expected_row(row) -> tuple[int, int, list[int]]:
     return words + sum(2 + p // V.MERGE**2 for p in patches), sum(patches), patches
 
 
-def planner(lengths, world, step):
+def expected_pair(pair) -> tuple[tuple[int, int], int]:
+    """A preference pair's two lengths (prompt + chosen, prompt + rejected) and the patches
+    its forward runs: the prompt's images with each of the two sequences."""
+    prompt = {"images": pair["images"], "messages": pair["prompt"]}
+    tokens, patches, _ = expected_row(prompt)
+    return ((tokens + len(pair["chosen"][0]["content"].split()),
+             tokens + len(pair["rejected"][0]["content"].split())), 2 * patches)
+
+
+def _step_rows(dpo: bool, step: int):
+    data = V.pairs(MIXED) if dpo else V.rows(MIXED)
+    return data[step * PER_STEP:(step + 1) * PER_STEP]
+
+
+def planner(lengths, world, step, dpo=False):
     from hf_helpers import fixed_or_lb_mini
 
-    rows = V.rows(MIXED)[step * PER_STEP:(step + 1) * PER_STEP]
-    # The lengths the adapter plans by: each row's tokens plus its images' patches.
-    want = [t + p for t, p, _ in map(expected_row, rows)]
+    # The lengths the adapter plans by: each row's tokens (a pair's two sequences) plus the
+    # patches of the images it runs.
+    if dpo:
+        want = [sum(t) + p for t, p in map(expected_pair, _step_rows(True, step))]
+    else:
+        want = [t + p for t, p, _ in map(expected_row, _step_rows(False, step))]
     assert list(lengths) == want, (step, list(lengths), want)
-    return fixed_or_lb_mini(FIXED_PLANS, lengths, world, step, cap=CAP)
+    return fixed_or_lb_mini(FIXED_PLANS, lengths, world, step, cap=CAP[dpo])
+
+
+def dpo_planner(lengths, world, step):
+    return planner(lengths, world, step, dpo=True)
 
 
 def full_grads(model) -> dict:
@@ -122,14 +151,17 @@ def full_grads(model) -> dict:
 def _train(kind: str) -> dict:
     import datasets
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
-    odc = kind != "plain"
-    mixed = kind.startswith("mixed")
+    dpo = kind.startswith("dpo_")
+    name = kind.removeprefix("dpo_")
+    odc = name != "plain"
+    mixed = name.startswith("mixed")
     family = FAMILY[kind]
-    data = datasets.Dataset.from_list(V.rows(MIXED if mixed else ALL_IMAGES))
+    images = MIXED if mixed else ALL_IMAGES
+    data = datasets.Dataset.from_list(V.pairs(images) if dpo else V.rows(images))
     model = V.build_model(family)
     captured = []
     vision_calls = [0]
@@ -146,19 +178,24 @@ def _train(kind: str) -> dict:
                              "vision_calls": vision_calls[0]})
             vision_calls[0] = 0
 
-    args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="odc-vlm-"), num_train_epochs=1, learning_rate=LR,
-        max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch", weight_decay=0.01, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential",
-        seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+    args = (DPOConfig if dpo else SFTConfig)(
+        output_dir=tempfile.mkdtemp(prefix="odc-vlm-"), num_train_epochs=1,
+        learning_rate=DPO_LR if dpo else LR, max_grad_norm=MAX_GRAD_NORM[dpo],
+        optim="adamw_torch", weight_decay=0.01, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, train_sampling_strategy="sequential", seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, bf16=False,
         per_device_train_batch_size=PER_DEVICE, max_length=None,
         **({"fsdp": True, "fsdp_config": {"version": 2}} if odc else {}))
     extra = {}
-    if kind == "images":
+    if name == "images":
         extra["odc"] = ODCConfig()  # the defaults: LB-Mini, the derived cap
     elif mixed:
-        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP, planner=planner)
-    cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
+        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP[dpo],
+                                 planner=dpo_planner if dpo else planner)
+    if dpo:  # a separate reference model: on CPU ranks an unsharded copy per rank
+        extra["ref_model"] = V.build_model(family)
+    base = DPOTrainer if dpo else SFTTrainer
+    cls = odc_trainer(base) if odc else base
     trainer = cls(model=model, args=args, train_dataset=data,
                   processing_class=V.processor(family),
                   callbacks=[Capture()], **extra)
@@ -202,12 +239,15 @@ def _check_grads(got: dict, want: dict, where: str) -> float:
     return worst
 
 
-def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images():
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images(trainer):
     out = runs()
-    plain = out[0]["plain"]
+    dpo = trainer == "dpo"
+    prefix = "dpo_" if dpo else ""
+    plain = out[0][prefix + "plain"]
     worst_grad = worst_param = 0.0
     for rank in range(WORLD):
-        got = out[rank]["images"]
+        got = out[rank][prefix + "images"]
         assert len(got["captured"]) == len(plain["captured"]) == STEPS
         for s, (g, w) in enumerate(zip(got["captured"], plain["captured"], strict=True)):
             worst_grad = max(worst_grad, _check_grads(g["grads"], w["grads"],
@@ -222,65 +262,91 @@ def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images():
         for mine, ref in zip(got["logs"], plain["logs"], strict=True):
             assert set(mine) == set(ref), (sorted(mine), sorted(ref))
             for key, value in ref.items():
-                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (rank, key)
-        assert all(h["grad_norm"] > MAX_GRAD_NORM for h in got["logs"])  # clipping acted
-        check_frontier(got["odc_steps"])
-    print(f"images vs unmodified TRL (2 ranks): max |grad diff| {worst_grad:.2e}, "
+                # DPO's rewards and margins: differences of log-probs times beta, float32 to
+                # ~1e-6 absolute (as in test_integrations_trl_dpo.py).
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-6 if dpo else 1e-7), (
+                    rank, key, mine[key], value)
+        assert all(h["grad_norm"] > MAX_GRAD_NORM[dpo] for h in got["logs"])  # clipped
+        check_frontier(got["odc_steps"], dpo)
+    print(f"{trainer} images vs unmodified TRL (2 ranks): max |grad diff| {worst_grad:.2e}, "
           f"max |param diff| after {STEPS} steps {worst_param:.2e} (counts "
-          f"{[s['microbatches'] for s in out[0]['images']['odc_steps']]})")
+          f"{[s['microbatches'] for s in out[0][prefix + 'images']['odc_steps']]})")
 
 
-def check_frontier(steps):
+def check_frontier(steps, dpo: bool):
     """The derived cap with images: the unmodified trainer's microbatches so far (PER_DEVICE
     consecutive rows: their padded tokens and patches) as a frontier, and every ODC
     microbatch within one of its points."""
-    import trl  # noqa: F401  (vlm_helpers' rows need PIL only)
-
     from torch_odc.integrations.hf._steps import frontier
 
-    rows = [expected_row(r) for r in V.rows(ALL_IMAGES)]
+    if dpo:  # (sequences' lengths, patches)
+        rows = [expected_pair(r) for r in V.pairs(ALL_IMAGES)]
+    else:
+        rows = [((t,), p) for t, p, _ in map(expected_row, V.rows(ALL_IMAGES))]
     points = []
     for s, record in enumerate(steps):
         step = rows[s * PER_STEP:(s + 1) * PER_STEP]
         for i in range(0, PER_STEP, PER_DEVICE):
             group = step[i:i + PER_DEVICE]
-            points.append((len(group) * max(t for t, _, _ in group), sum(p for _, p, _ in group)))
+            width = max(max(t) for t, _ in group)  # every sequence padded to the longest
+            points.append((sum(len(t) for t, _ in group) * width, sum(p for _, p in group)))
         assert [tuple(p) for p in record["plain_frontier"]] == frontier(points), (s, record)
         assert record["cap_frontier"] == record["plain_frontier"]  # CPU: nothing subtracted
         assert record["microbatch_sizes"], record
         for tokens, patches in record["microbatch_sizes"]:
             assert any(tokens <= t and patches <= p for t, p in record["cap_frontier"]), record
-        assert sum(record["patches_per_rank"]) == sum(p for _, p, _ in step)
-        assert sum(record["plain_patches_per_rank"]) == sum(p for _, p, _ in step)
+        assert sum(record["patches_per_rank"]) == sum(p for _, p in step)
+        assert sum(record["plain_patches_per_rank"]) == sum(p for _, p in step)
 
 
-def _reference_step(params: dict, rows: list, family: str) -> tuple[float, float, dict]:
+def _reference_step(params: dict, rows: list, family: str, dpo: bool
+                    ) -> tuple[float, float, dict]:
     """One process, no ODC, no FSDP: the step's rows as one batch (TRL's vision collator), the
-    model's own loss (the token mean over the step), the gradient clipped as
-    torch.nn.utils.clip_grad_norm_ clips. Returns (loss, norm before clipping, gradients)."""
+    loss from the model's own logits, the gradient clipped as torch.nn.utils.clip_grad_norm_
+    clips. SFT: the model's own loss (the token mean over the step). DPO (sigmoid): the mean
+    over the step's pairs of -logsigmoid(beta * (policy - reference log-ratio of chosen over
+    rejected)), the completions' log-probs summed from the logits, the reference the initial
+    model. Returns (loss, norm before clipping, gradients)."""
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
     model = V.build_model(family)
     model.load_state_dict(params)
     model.train()
-    batch = DataCollatorForVisionLanguageModeling(processor=V.processor(family))(rows)
-    loss = model(**batch).loss
+    collator = (DataCollatorForVisionPreference if dpo
+                else DataCollatorForVisionLanguageModeling)(processor=V.processor(family))
+    batch = collator(rows)
+    if dpo:
+        mask = batch.pop("completion_mask")[:, 1:]
+
+        def completion_logps(m):
+            logits = m(**batch).logits[:, :-1]
+            tokens = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])
+            return (tokens.squeeze(-1) * mask).sum(-1).chunk(2)
+
+        with torch.no_grad():
+            ref_chosen, ref_rejected = completion_logps(V.build_model(family).eval())
+        chosen, rejected = completion_logps(model)
+        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+        loss = -torch.nn.functional.logsigmoid(BETA * margin).mean()
+    else:
+        loss = model(**batch).loss
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone()
              for n, p in model.named_parameters()}
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None))
-    coef = min(1.0, MAX_GRAD_NORM / (norm + 1e-6))
-    return float(loss.detach()), norm, {n: None if g is None else g * coef for n, g in grads.items()}
+    coef = min(1.0, MAX_GRAD_NORM[dpo] / (norm + 1e-6))
+    return float(loss.detach()), norm, {n: None if g is None else g * coef
+                                        for n, g in grads.items()}
 
 
-@pytest.mark.parametrize("kind", ["mixed", "mixed25"])
+@pytest.mark.parametrize("kind", ["mixed", "mixed25", "dpo_mixed"])
 def test_mixed_image_and_text_only_microbatches_equal_one_process(kind):
     out = runs()
-    data = V.rows(MIXED)
+    dpo = kind.startswith("dpo_")
     worst = 0.0
-    refs = [_reference_step(out[0][kind]["captured"][s]["params"],
-                            data[s * PER_STEP:(s + 1) * PER_STEP], FAMILY[kind])
-            for s in range(STEPS)]
+    refs = [_reference_step(out[0][kind]["captured"][s]["params"], _step_rows(dpo, s),
+                            FAMILY[kind], dpo) for s in range(STEPS)]
     for rank in range(WORLD):
         got = out[rank][kind]
         counts = [s["microbatches"] for s in got["odc_steps"]]
@@ -302,7 +368,7 @@ def test_mixed_image_and_text_only_microbatches_equal_one_process(kind):
             worst = max(worst, _check_grads(cap["grads"], ref, f"rank {rank} step {s}"))
             assert got["logs"][s]["loss"] == pytest.approx(loss, rel=1e-6), (rank, s)
             assert got["logs"][s]["grad_norm"] == pytest.approx(norm, rel=1e-5), (rank, s)
-            assert norm > MAX_GRAD_NORM
+            assert norm > MAX_GRAD_NORM[dpo]
     print(f"{kind} ({FAMILY[kind]}) vs one process: max |grad diff| {worst:.2e} over {STEPS} "
           f"steps (counts {[s['microbatches'] for s in out[0][kind]['odc_steps']]})")
 

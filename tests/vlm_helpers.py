@@ -115,3 +115,19 @@ def rows(images_per_row, seed: str = "vlm") -> list[dict]:
                     "messages": [{"role": "user", "content": " ".join(words[:n // 2])},
                                  {"role": "assistant", "content": " ".join(words[n // 2:])}]})
     return out
+
+
+def pairs(images_per_row, seed: str = "vlm-pairs") -> list[dict]:
+    """Preference pairs for DPO: the rows of :func:`rows` as prompts (the user turn, with the
+    images) and their assistant turns as the chosen completion; the rejected one is the same
+    words reversed, cut or grown by a word (so the pair's lengths differ)."""
+    out = []
+    for k, row in enumerate(rows(images_per_row, seed)):
+        chosen = row["messages"][1]["content"].split()
+        rejected = list(reversed(chosen))[: max(1, len(chosen) - 1 + 2 * (k % 2))]
+        if k % 2:
+            rejected.append("w7")
+        out.append({"images": row["images"], "prompt": [row["messages"][0]],
+                    "chosen": [{"role": "assistant", "content": " ".join(chosen)}],
+                    "rejected": [{"role": "assistant", "content": " ".join(rejected)}]})
+    return out

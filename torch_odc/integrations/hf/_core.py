@@ -681,8 +681,13 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         from . import _vision
 
         for batch, mb in zip(step.microbatches, step.indices, strict=True):
-            _vision.check_microbatch(batch, [n for i in mb for n in images[i]],
+            _vision.check_microbatch(batch, self._odc_microbatch_images(mb, images),
                                      f"{self._odc_where}: step {step.step}")
+
+    def _odc_microbatch_images(self, rows, images) -> list[int]:
+        """The patches of each image a microbatch of ``rows`` (dataset indices, in order)
+        carries once collated: its rows' images in row order."""
+        return [n for i in rows for n in images[i]]
 
     def _odc_probe(self, model):
         """While the derived cap is still measuring (the first step on GPUs): a forward hook

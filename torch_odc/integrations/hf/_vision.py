@@ -2,7 +2,8 @@
 and the check that a collated microbatch carries exactly its rows' images.
 
 TRL's vision collators (``DataCollatorForVisionLanguageModeling``, and DPO's
-``DataCollatorForVisionPreference``) process a microbatch's images when they collate it, from
+``DataCollatorForVisionPreference``, which runs each pair's images twice: with the chosen and
+with the rejected sequence) process a microbatch's images when they collate it, from
 the dataset's rows (PIL images beside the text): a row read from the dataset holds its images,
 so they travel with the row to whichever microbatch and rank the plan gives it, and the
 collator turns exactly that microbatch's rows into its ``pixel_values``. What the plan needs to
@@ -27,10 +28,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["IMAGE_FIELDS", "TEXT_FIELDS", "check_microbatch", "row_sizes"]
+__all__ = ["IMAGE_FIELDS", "PAIR_FIELDS", "TEXT_FIELDS", "check_microbatch", "image_patches",
+           "row_sizes"]
 
 # A collated language-modeling row of the Qwen2-VL family's processors, and what TRL adds.
 TEXT_FIELDS = frozenset({"input_ids", "attention_mask", "labels", "mm_token_type_ids"})
+# A collated preference pair of TRL's DPOTrainer (chosen and rejected rows).
+PAIR_FIELDS = frozenset({"input_ids", "attention_mask", "completion_mask", "mm_token_type_ids"})
 IMAGE_FIELDS = frozenset({"pixel_values", "image_grid_thw"})
 
 SERVED = ("Qwen2-VL / Qwen2.5-VL images: ragged pixel_values split per image by image_grid_thw "
@@ -74,17 +78,21 @@ def image_patches(batch: Mapping, where: str) -> list[int]:
     return patches
 
 
-def row_sizes(batch: Mapping, where: str, text_fields=TEXT_FIELDS) -> tuple[int, tuple[int, ...]]:
+def row_sizes(batch: Mapping, where: str, text_fields=TEXT_FIELDS,
+              sequences: int = 1) -> tuple:
     """A row collated alone: (its tokens, the vision patches of each of its images). The
-    tokens are the row's unpadded length (the attention mask's ones, else the width)."""
+    tokens are the row's unpadded length (the attention mask's ones, else the width). A row of
+    several ``sequences`` (a preference pair: chosen, rejected) gives a tuple of their lengths
+    instead."""
     _refuse_unknown(batch, where, text_fields)
     ids = batch["input_ids"]
-    if ids.dim() != 2 or ids.shape[0] != 1:
+    if ids.dim() != 2 or ids.shape[0] != sequences:
         raise ValueError(f"{where}: a row collated alone gave input_ids of shape "
-                         f"{tuple(ids.shape)}")
+                         f"{tuple(ids.shape)}, expected {sequences} sequence(s)")
     mask = batch.get("attention_mask")
-    length = int(mask.sum()) if mask is not None else int(ids.shape[1])
-    return length, tuple(image_patches(batch, where))
+    lengths = (tuple(int(n) for n in mask.sum(dim=1)) if mask is not None
+               else (int(ids.shape[1]),) * sequences)
+    return (lengths[0] if sequences == 1 else lengths), tuple(image_patches(batch, where))
 
 
 def check_microbatch(batch: Mapping, want: Sequence[int], where: str) -> None:

@@ -89,6 +89,8 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
     * A step's rows are preference pairs, planned by LB-Mini on the lengths of prompt + chosen
       and prompt + rejected (truncated at ``max_length``); a pair never leaves its microbatch.
+      A vision dataset's pairs carry their images (collated per microbatch from the dataset's
+      rows; their patches, twice, in the cost: see ``_vision``).
     * In training microbatches :meth:`compute_loss` runs the same forwards as TRL (the policy,
       then the reference: precomputed log-probabilities, the PEFT model with its adapter
       disabled, or a reference model that is not sharded) and weights every pair by
@@ -99,7 +101,7 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
       under TRL's names with TRL's values.
     * Refused at construction: loss types that couple the pairs of a microbatch (``aot``,
       ``aot_unpaired``), ``use_weighting`` with ``sft``, the MoE auxiliary loss,
-      ``sync_ref_model``, vision datasets, a reference model sharded with FSDP without
+      ``sync_ref_model``, a reference model sharded with FSDP without
       ``precompute_ref_log_probs`` (its forward would be a collective in every microbatch),
       and ``precompute_ref_log_probs`` on several ranks with a dataset that is not on disk.
     """
@@ -141,9 +143,6 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         if self.aux_loss_enabled:
             raise ValueError(f"{_WHERE}: the MoE auxiliary loss (router_aux_loss_coef) is a "
                              "per-microbatch mean; not supported (set router_aux_loss_coef=0)")
-        if _compat.read(self, "_is_vision_dataset"):
-            raise ValueError(f"{_WHERE}: vision preference datasets are not supported (the "
-                             "sequence lengths are known only after the processor runs)")
         if self.args.sync_ref_model:
             raise ValueError(f"{_WHERE}: sync_ref_model is not supported")
         if (not self.precompute_ref_logps and self.ref_model is not None
@@ -156,9 +155,28 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
     # -- data ----------------------------------------------------------------------------------
 
+    def _odc_vision(self) -> bool:
+        return bool(_compat.read(self, "_is_vision_dataset"))
+
     def _odc_row_lengths(self, dataset) -> list[tuple[int, int]]:
         """Per pair, the lengths of prompt + chosen and prompt + rejected as the collator
-        builds them (each truncated at ``max_length``)."""
+        builds them (each truncated at ``max_length``). A vision dataset is not tokenized
+        before training: each pair is collated alone once by the trainer's own collator, for
+        both lengths and its images' patches (TRL runs a pair's images with the chosen and
+        again with the rejected sequence: both copies count)."""
+        self._odc_vision_rows = None
+        if self._odc_vision():
+            from . import _vision
+
+            lengths, images = [], []
+            for i in range(len(dataset)):
+                pair, im = _vision.row_sizes(self.data_collator([dataset[i]]),
+                                             f"{_WHERE}: training pair {i}",
+                                             _vision.PAIR_FIELDS, sequences=2)
+                lengths.append(pair)
+                images.append(im)
+            self._odc_vision_rows = images
+            return lengths
         columns = ("prompt_ids", "chosen_ids", "rejected_ids")
         names = getattr(dataset, "column_names", None)
         if names is not None and not set(columns) <= set(names):
@@ -172,6 +190,19 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         cap = self.args.max_length if self.args.max_length is not None else math.inf
         return [(int(min(p + c, cap)), int(min(p + r, cap)))
                 for p, c, r in zip(prompt, chosen, rejected, strict=True)]
+
+    def _odc_row_images(self, dataset):
+        return getattr(self, "_odc_vision_rows", None)
+
+    def _odc_microbatch_images(self, rows, images) -> list[int]:
+        # TRL's vision preference collator takes the microbatch's images twice: every pair's
+        # with the chosen rows, then every pair's again with the rejected rows.
+        first = [n for i in rows for n in images[i][:len(images[i]) // 2]]
+        return first + first
+
+    def _odc_collator_pads(self, collator) -> bool:
+        # TRL's vision preference collator refuses any pad_to_multiple_of.
+        return not self._odc_vision() and super()._odc_collator_pads(collator)
 
     # -- the step ------------------------------------------------------------------------------
 

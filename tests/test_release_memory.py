@@ -32,7 +32,7 @@ def odc_segments() -> list[str]:
                        if len(line.split()) > 5 and re.search(r"/odc-[0-9]", line.split()[5])})
 
 
-def _train(rank, world, switch):
+def _train(rank, world, switch, device="cpu"):
     """PLAN under FSDP2 + ODC; `switch` says what runs between minibatches:
 
     * None: nothing (the run the others must equal);
@@ -47,15 +47,16 @@ def _train(rank, world, switch):
     """
     import torch_odc
 
-    model = sharded_model(world, "cpu")
+    model = sharded_model(world, device)
+    dev = next(model.parameters()).device
     handle = torch_odc.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    out = {"mapped_when_released": [], "region_when_released": []}
+    out = {"mapped_when_released": [], "region_when_released": [], "free_when_released": []}
     for mb, counts in enumerate(PLAN):
         seqs = split(counts, samples(mb, sum(counts)))
         tokens = sum(s.shape[1] - 1 for part in seqs for s in part)
         for seq in seqs[rank]:
-            (loss_of(model, seq) * world / tokens).backward()
+            (loss_of(model, seq.to(dev)) * world / tokens).backward()
         torch_odc.minibatch_barrier()
         opt.step()
         if switch == "to" and mb == 0:
@@ -66,12 +67,26 @@ def _train(rank, world, switch):
             model.to("cpu")
             model.to(torch.float64)
             model.to(torch.float32)
+            model.to(dev)
         if switch == "release" and mb in (0, 1):
             if mb == 1:
                 opt.zero_grad()
                 with torch.no_grad():  # log-probs of the next rollout: forwards only
-                    model(samples(9, 2)[rank][:, :-1])
+                    model(samples(9, 2)[rank][:, :-1].to(dev))
+            if dev.type == "cuda" and mb == 1:
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+                torch.distributed.barrier()
+                before = torch.cuda.mem_get_info(dev)[0]
+                torch.distributed.barrier()
             torch_odc.release_memory()
+            if dev.type == "cuda" and mb == 1:
+                # What the driver got back on this GPU, every rank's region and parameters,
+                # once the model is on the CPU (verl's param_offload).
+                model.to("cpu")
+                torch.cuda.empty_cache()
+                torch.distributed.barrier()
+                out["free_when_released"].append(torch.cuda.mem_get_info(dev)[0] - before)
             out["mapped_when_released"].append(odc_segments())
             out["region_when_released"].append(torch_odc.stats()[0]["region_bytes"])
             assert handle.released
@@ -80,6 +95,8 @@ def _train(rank, world, switch):
             if mb == 1:
                 model.to(torch.float64)
                 model.to(torch.float32)
+                model.to("cpu")
+                model.to(dev)
         opt.zero_grad()
         if switch == "release" and mb == 0:
             torch_odc.restore_memory()
@@ -87,7 +104,9 @@ def _train(rank, world, switch):
     out["released_at_end"] = handle.released
     out["mapped_after_restore"] = bool(odc_segments())
     out["fast_push"] = [k.fast_push for k in handle._keys if any(k.grad_numels)]
-    out["params"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    out["region_bytes_attached"] = torch_odc.stats()[0]["region_bytes"]
+    out["params"] = {k: v.full_tensor().detach().float().cpu()
+                     for k, v in model.state_dict().items()}
     handle.detach()
     return out
 
@@ -157,3 +176,31 @@ def test_release_refuses_a_minibatch_with_gradients_and_restore_names_a_changed_
         assert f"rank {rank}" in errors["pushed"]
         assert "holds gradients" in errors["pushed"] and "would be lost" in errors["pushed"]
         assert "float64" in errors["dtype"] and "re-attach" in errors["dtype"]
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cuda_transport() -> bool:
+    import torch_odc
+
+    return torch_odc._C._has_cuda_transport()
+
+
+@pytest.mark.skipif(GPUS < 1 or not _cuda_transport(), reason="needs a GPU and a CUDA build")
+def test_gpu_release_returns_the_region_and_training_equals_training_without():
+    """Two ranks on the first GPUs (sharing one where there is one): release_memory() gives the
+    driver back at least every rank's region on that GPU, and the training equals the run
+    without it and a single process."""
+    plain = run_ranks(2, _train, None, "cuda", cuda=True)
+    switched = run_ranks(2, _train, "release", "cuda", cuda=True)
+    moved = run_ranks(2, _train, "to", "cuda", cuda=True)
+    ref = reference(PLAN, False, LR)
+    for a, b in ((plain, switched), (plain, moved)):
+        assert _max_diff(a[0]["params"], b[0]["params"]) < 1e-5
+        assert _max_diff(b[0]["params"], ref) < 1e-5
+    regions = sum(r["region_bytes_attached"] for r in switched)
+    per_gpu = regions if GPUS == 1 else regions // 2
+    for r in switched:
+        assert len(r["free_when_released"]) == 1
+        assert r["free_when_released"][0] >= per_gpu, (r["free_when_released"], per_gpu)

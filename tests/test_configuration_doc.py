@@ -321,7 +321,8 @@ def test_api_arguments_are_documented():
             f"{sorted(params)}")
         for name, p in params.items():
             cells = documented[name]
-            assert len(cells) == 5, f"{qualname}({name}): function | argument | type | default | effect"
+            assert len(cells) == 5, (
+                f"{qualname}({name}): function | argument | type | default | effect")
             if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                 continue
             if p.kind == p.KEYWORD_ONLY:

@@ -159,6 +159,8 @@ setup(
     description="On-Demand Communication: a c10d backend that turns FSDP2 into a decentralized "
     "parameter server",
     packages=find_packages(include=["torch_odc", "torch_odc.*"]),
+    # The type stubs of the extension and the PEP 561 marker (tests/test_stubs.py).
+    package_data={"torch_odc": ["_C.pyi", "py.typed"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.16"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],

@@ -14,7 +14,9 @@ k (TRL shuffles each rank's generation batch with its own generator otherwise). 
 else -- TRL's rewards, advantages, old and reference log-probs, the loss and metrics of the
 references, the adapter's repacking, weights, barrier and metric reduction -- is the real code.
 A tiny Llama built from a config, a word-level tokenizer built in memory: nothing is
-downloaded."""
+downloaded. In the same launches, a vision-language case (the tiny Qwen2-VL of vlm_helpers.py,
+every prompt with images) against the unmodified GRPOTrainer in one process, and the refusal of
+a generation batch that mixes image and text-only prompts."""
 
 import functools
 import math
@@ -175,10 +177,21 @@ def fixed_trainer_class(sim_world: int, aligned: bool):
                 order = [r * chunk + perm[k * rows + i]
                          for k in range(spg) for r in range(sim_world) for i in range(rows)]
                 width = rows * sim_world
-                self._buffered_inputs = [
-                    {key: (v[order[k * width:(k + 1) * width]]
-                           if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                     for key, v in batch.items()} for k in range(spg)]
+                # A vision batch's pixel_values and image_grid_thw per rollout first (TRL's
+                # own split, as its _prepare_inputs does before shuffling).
+                from trl.trainer.utils import (split_pixel_values_by_grid,
+                                               unsplit_pixel_values_by_grid)
+
+                batch = split_pixel_values_by_grid(batch)
+
+                def pick(v, ids):
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        return v[ids]
+                    return [v[i] for i in ids] if isinstance(v, list) else v
+
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(
+                    {key: pick(v, order[k * width:(k + 1) * width])
+                     for key, v in batch.items()}) for k in range(spg)]
             return self._buffered_inputs[self._step % spg]
 
     return FixedGRPO
@@ -232,6 +245,92 @@ def train(case: str, mode: str, path: str, cuda: bool = False) -> dict:
 
 
 
+# -- a vision-language model (tests/vlm_helpers.py: a tiny Qwen2-VL from a config) ---------------
+# Every prompt with 1 or 2 images (TRL 1.16 cannot run a generation batch that mixes image and
+# text-only prompts); LB-Mini with the patches in its cost and in the cap.
+VLM_IMAGES = [1, 2, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1]
+VLM_CAP = 90  # tokens plus patches: 1 to 3 rollouts a microbatch
+
+
+def vlm_dataset():
+    import datasets
+    import vlm_helpers as V
+
+    rows = V.rows(VLM_IMAGES, "grpo-vlm")
+    return datasets.Dataset.from_dict({"prompt": [[r["messages"][0]] for r in rows],
+                                       "images": [r["images"] for r in rows]})
+
+
+def vlm_processor():
+    import vlm_helpers as V
+
+    proc = V.processor()
+    proc.tokenizer.padding_side = "left"  # as TRL loads a processor itself
+    return proc
+
+
+def train_vlm(mode: str) -> dict:
+    """The VLM case: dapo, 2 TRL microbatches a step; "odc" (this rank) or "one"."""
+    import warnings
+
+    import vlm_helpers as V
+    from trl import GRPOConfig
+
+    from torch_odc import balance
+    from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer
+
+    warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
+    world = WORLD if mode == "one" else 1
+    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-vlm-"), "max_steps": STEPS,
+            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "sgd",
+            "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
+            "report_to": [], "use_cpu": True, "seed": 0, "disable_tqdm": True,
+            "dataloader_num_workers": 0, "bf16": False, "num_generations": 2,
+            "max_completion_length": MAX_COMPLETION, "epsilon": 0.1, "loss_type": "dapo",
+            "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2 * world}
+    extra = {}
+    cls = fixed_trainer_class(world, True)
+    if mode == "odc":
+        args.update(fsdp=True, fsdp_config={"version": 2})
+        extra["odc"] = ODCGRPOConfig(max_tokens_per_microbatch=VLM_CAP)
+        cls = odc_trainer(cls)
+    trainer = cls(model=V.build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+                  train_dataset=vlm_dataset(), processing_class=vlm_processor(), **extra)
+    trainer.train()
+    return {"params": full_params(trainer.model),
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
+            "odc_steps": getattr(trainer, "odc_steps", None)}
+
+
+def vlm_mixed_refusal() -> str | None:
+    """A generation batch with image and text-only prompts: the adapter's message (TRL's own
+    processor call raises TypeError there)."""
+    import datasets
+    import vlm_helpers as V
+    from trl import GRPOConfig
+
+    from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer
+
+    rows = V.rows([1, 0, 1, 0], "grpo-vlm-mixed")
+    data = datasets.Dataset.from_dict({"prompt": [[r["messages"][0]] for r in rows],
+                                       "images": [r["images"] for r in rows]})
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="odc-grpo-vlm-"), use_cpu=True,
+                      report_to=[], per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=MAX_COMPLETION, bf16=False, fsdp=True,
+                      fsdp_config={"version": 2})
+    trainer = odc_trainer(fixed_trainer_class(1, False))(
+        model=V.build_model(), reward_funcs=reward, args=args, train_dataset=data,
+        processing_class=vlm_processor(), odc=ODCGRPOConfig(max_tokens_per_microbatch=VLM_CAP))
+    trainer.model.train()
+    try:
+        trainer._prepare_inputs([dict(data[i]) for i in range(4)])
+        return None
+    except ValueError as err:
+        return str(err)
+    finally:
+        trainer._odc_detach()
+
+
 def _set_rank_env(rank, world):
     set_rank_env(rank, world, port=29561, env=OFFLINE)
 
@@ -240,7 +339,9 @@ def _odc_ranks(rank, world, cases, path, cuda=False):
     _set_rank_env(rank, world)
     out = {case: train(case, "odc", path, cuda) for case in cases}
     if not cuda:
+        out["vlm"] = train_vlm("odc")
         out["refusals"] = refusals()
+        out["refusals"]["vlm_mixed"] = vlm_mixed_refusal()
     return out
 
 
@@ -254,7 +355,10 @@ def _one_process(rank, world, cases, path, cuda=False):
 
     dist.destroy_process_group()  # the unmodified trainer, one process, not distributed
     os.environ.update(OFFLINE)
-    return {case: train(case, "one", path, cuda) for case in cases}
+    out = {case: train(case, "one", path, cuda) for case in cases}
+    if not cuda:
+        out["vlm"] = train_vlm("one")
+    return out
 
 
 def refusals() -> dict:
@@ -348,6 +452,37 @@ def test_grpo_with_odc_matches_unmodified_trl(case):
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_grpo_with_odc_matches_unmodified_trl(case):
     check(case, *gpu_runs())
+
+
+def test_grpo_vlm_with_odc_matches_unmodified_trl():
+    """A tiny Qwen2-VL, every prompt with images: each rollout's patches and grid travel with it
+    (LB-Mini moves rollouts), microbatches concatenate exactly their rows' images, the cost
+    and cap count patches; equal to the unmodified GRPOTrainer in one process."""
+    import vlm_helpers as V
+
+    reference, odc = runs()
+    want = reference["vlm"]
+    initial = dict(V.build_model().named_parameters())
+    for rank, out in enumerate(r["vlm"] for r in odc):
+        steps = out["odc_steps"]
+        assert len(steps) == STEPS, steps
+        counts = [s["microbatches"] for s in steps]
+        assert any(c[0] != c[1] for c in counts), counts
+        assert sum(s["moved"] for s in steps) > 0, steps
+        assert_params_match(want, out, initial, rank, ATOL)
+        for got, ref in zip(out["logs"], want["logs"], strict=True):
+            assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+            for key, value in ref.items():
+                if key not in SKIP_KEYS:
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (
+                        rank, key, got[key], value)
+
+
+def test_grpo_vlm_refuses_mixed_image_and_text_only_prompts():
+    _, odc = runs()
+    for out in odc:
+        got = out["refusals"]["vlm_mixed"]
+        assert got is not None and "text-only" in got and "TypeError" in got, got
 
 
 def check(case, reference, odc):

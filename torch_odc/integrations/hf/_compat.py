@@ -165,14 +165,17 @@ ENTRIES: tuple[Entry, ...] = (
          "TRL's microbatch counter (generation every steps_per_generation * num_iterations "
          "calls), advanced as GRPOTrainer.training_step does", ("grpo",)),
     _trl("trl.GRPOTrainer", "_buffered_inputs", INSTANCE,
-         "the slices _prepare_inputs hands out by _step (not read by the adapter: its "
-         "training_step keeps TRL's counting)", ("grpo",)),
+         "the slices _prepare_inputs hands out by _step (read only to know, as TRL does, "
+         "whether a call generates: a vision batch is checked before it)", ("grpo",)),
     _trl("trl.GRPOTrainer", "_metrics", INSTANCE,
          "the logged metrics the adapter appends once per step, per TRL microbatch", ("grpo",)),
     _trl("trl.GRPOTrainer", "_tokenizer", INSTANCE, "the pad token of repacked rollouts",
          ("grpo",)),
-    _trl("trl.GRPOTrainer", "_is_vlm", INSTANCE, "vision-language models are refused",
-         ("grpo",)),
+    _trl("trl.GRPOTrainer", "_is_vlm", INSTANCE,
+         "a vision-language model's generation batch is checked for mixed image / text-only "
+         "prompts (TRL 1.16's processor call raises TypeError on them)", ("grpo",)),
+    _trl("trl.GRPOTrainer", "_image_pad_token_id", INSTANCE,
+         "the image token a vision rollout's mm_token_type_ids is checked against", ("grpo",)),
     _trl("trl.GRPOTrainer", "_entropy_bonus_enabled", INSTANCE,
          "whether the loss subtracts the entropy bonus", ("grpo",)),
     _trl("trl.GRPOTrainer", "_last_world_entropy", INSTANCE,
@@ -180,7 +183,8 @@ ENTRIES: tuple[Entry, ...] = (
          ("grpo",)),
     _trl("trl.GRPOTrainer", "_get_per_token_logps_and_entropies", METHOD,
          "the policy's per-token log-probs and entropies of a repacked microbatch", ("grpo",),
-         params=("model", "input_ids", "attention_mask", "logits_to_keep", "compute_entropy")),
+         params=("model", "input_ids", "attention_mask", "logits_to_keep", "compute_entropy",
+                 "pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")),
     _trl("trl.GRPOTrainer", "_compute_loss", REPRODUCED,
          "the adapter's loss reproduces its per-token loss and metrics with per-row weights",
          ("grpo",), params=("model", "inputs")),

@@ -48,6 +48,7 @@ TRL's, wherever the rows ran.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 
@@ -61,7 +62,7 @@ from torch_odc._clock import _profiling
 from . import _compat
 from ._config import ODCConfig
 from ._core import ODCTrainerMixin
-from ._steps import _checked_plan, _LBMini, left_padded_widths, pack_padded
+from ._steps import _checked_plan, _LBMini, _row_costs, left_padded_widths, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
@@ -77,6 +78,15 @@ COMPLETION_KEYS = ("completion_ids", "completion_mask", "tool_mask", "old_per_to
                    "ref_per_token_logps", "sampling_per_token_logps")  # right-padded
 ROW_KEYS = ("advantages",)  # (B,), or (B, T) completion-aligned from a subclass
 STEP_KEYS = ("num_items_in_batch",)  # the generation batch's loss tokens over all ranks
+# A vision-language model of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL): TRL 1.16's slice also
+# carries the ragged pixel_values (one row per patch) split per image by image_grid_thw,
+# num_images (a list: images per rollout) and mm_token_type_ids (prompt + completion columns;
+# 1 at the prompt's image tokens). Other families' fields (image_sizes, pixel_attention_mask,
+# spatial_shapes, num_tiles, token_type_ids, image_position_ids) are refused by name.
+VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+# The vision tensors of a row, as _Rows holds them: its images' patches (rows, patches, D) and
+# grids (rows, images, 3), zero-padded; per row (images, patches) under _VISION.
+_VISION = "\0odc_vision"
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
@@ -133,8 +143,20 @@ class _Rows:
         return self.meta.size(0)
 
     def lengths(self) -> list[int]:
-        """Unpadded tokens per row (prompt + completion): what a microbatch's cap counts."""
-        return (self.meta[:, 2] + self.meta[:, 3]).clamp(min=1).tolist()
+        """Unpadded tokens per row (prompt + completion), plus its images' vision patches for a
+        vision-language model: what a microbatch's cap counts."""
+        n = self.meta[:, 2] + self.meta[:, 3]
+        if _VISION in self.tensors:
+            n = n + self.tensors[_VISION][:, 1]
+        return n.clamp(min=1).tolist()
+
+    def images(self) -> list[tuple[int, ...]] | None:
+        """Per row the vision patches of each of its images (None without images)."""
+        if _VISION not in self.tensors:
+            return None
+        grid = self.tensors["image_grid_thw"].prod(-1).tolist()
+        return [tuple(g[:k]) for g, k in zip(grid, self.tensors[_VISION][:, 0].tolist(),
+                                               strict=True)]
 
     def shapes(self) -> list[tuple[int, int]]:
         """(prompt length, completion length) per row: a microbatch is padded to its longest
@@ -196,9 +218,6 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             raise ValueError(f"{WHERE}: use_vllm=True is not supported yet (its importance "
                              "sampling tensors are not verified here); generate with "
                              "transformers (use_vllm=False)")
-        if _compat.read(self, "_is_vlm", False):
-            raise ValueError(f"{WHERE}: vision-language models are not supported: image "
-                             "tensors are not laid out per rollout")
         if a.include_num_input_tokens_seen not in ("no", False, None):
             raise ValueError(f"{WHERE}: include_num_input_tokens_seen: GRPOTrainer counts the "
                              "prompt and completion tokens itself (logged as num_tokens); "
@@ -213,6 +232,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _prepare_inputs(self, inputs):
         if isinstance(inputs, _Microbatch):  # a repacked microbatch: already on the device
             return inputs
+        if self.model.training and _compat.read(self, "_is_vlm", False):
+            every = self.args.steps_per_generation * self.num_iterations
+            if (_compat.read(self, "_step") % every == 0
+                    or _compat.read(self, "_buffered_inputs") is None):
+                _refuse_mixed_images(inputs)  # this batch is the one TRL generates from
         return super()._prepare_inputs(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -279,8 +303,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 counts, rollouts = plan_counts
             else:
                 lengths = rows.lengths()
-                plan = (self._odc_plan(lengths, rows.shapes(), 1, step, plain) if lengths
-                        else [[]])
+                plan = (self._odc_plan(lengths, rows.shapes(), 1, step, plain, rows.images())
+                        if lengths else [[]])
                 self._odc_note_work(plan, rows.shapes())
                 mine, counts, rollouts = plan[0], None, None
                 meta = {(rank, k): v for k, v in meta.items()}
@@ -380,13 +404,28 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             want = self.AUTO_MULTIPLE if cuda else 1
         return left_padded_widths(prompt, completion, self.pad_to_multiple_of or 1, cuda, want)
 
-    def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int) -> list:
+    def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int,
+                  images=None) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the
         user's planner or LB-Mini at the configured cap; with the derived cap, LB-Mini assigns
         the rows to ranks and each rank's rows are packed into microbatches of at most the
         step's cap in padded tokens (``plain``: the largest TRL microbatch of the step)."""
         planner = self.odc.planner or _LBMini(self.odc)
+        if images is not None and self.odc.auto_cap:
+            raise ValueError(
+                f"{WHERE}: the derived cap (max_tokens_per_microbatch=None) is not worked out "
+                "for rollouts with images (TRL's microbatch memory then grows with its vision "
+                "patches as well as its tokens); set ODCConfig.max_tokens_per_microbatch: it "
+                "caps a microbatch's unpadded tokens plus its vision patches")
         if not self.odc.auto_cap:
+            if images is not None and self.odc.planner is None:
+                # LB-Mini's cost: a row's tokens and each of its images as a sequence of its
+                # patches under the same cost model (as the SFT adapter's rows with images).
+                costs = _row_costs([(n - sum(im),) for n, im in zip(lengths, images,
+                                                                    strict=True)],
+                                   self.odc, images)
+                return _checked_plan(planner(lengths, world, step, costs=costs), len(lengths),
+                                     world, step)
             return _checked_plan(planner(lengths, world, step), len(lengths), world, step)
         cap = self._odc_autocap.cap(plain)
         self._odc_cap = (cap, plain)
@@ -414,9 +453,23 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_layout(self, first: dict) -> list[tuple[str, str]]:
         """(key, kind) of every tensor a slice carries; kind: prompt, completion, row."""
         layout = []
+        vision = [key for key in VISION_KEYS if first.get(key) is not None]
+        if vision:
+            missing = [key for key in VISION_KEYS if key not in vision]
+            if missing:
+                raise ValueError(
+                    f"{WHERE}: TRL's microbatch carries {vision} without {missing}: not the "
+                    "layout of the Qwen2-VL family's processors (ragged pixel_values split per "
+                    "image by image_grid_thw, num_images, mm_token_type_ids), the only one the "
+                    "adapter lays out per rollout")
         for key, value in first.items():
-            if value is None or key in STEP_KEYS:
+            if value is None or key in STEP_KEYS or key in VISION_KEYS:
                 continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"{WHERE}: TRL's microbatch carries {key!r} (a {type(value).__name__}), "
+                    "which the adapter cannot repack; it lays out only "
+                    f"{PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS + VISION_KEYS}")
             if key in PROMPT_KEYS:
                 layout.append((key, "prompt"))
             elif key in COMPLETION_KEYS or (key in ROW_KEYS and value.dim() == 2):
@@ -426,25 +479,45 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             else:
                 raise ValueError(
                     f"{WHERE}: TRL's microbatch carries {key!r}, which the adapter cannot repack "
-                    "(multimodal inputs, vLLM importance sampling or a subclass's own field); "
-                    f"it lays out only {PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS}")
+                    "(another vision-language family's field, vLLM importance sampling or a "
+                    "subclass's own field); it lays out only "
+                    f"{PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS} and the Qwen2-VL "
+                    f"family's {VISION_KEYS}")
         for need in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
                      "advantages"):
             if need not in first:
                 raise ValueError(f"{WHERE}: TRL's microbatch has no {need!r}")
+        if vision:
+            layout += [("mm_token_type_ids", "prompt"), ("pixel_values", "patches"),
+                       ("image_grid_thw", "images"), (_VISION, "row")]
         return layout
 
     def _odc_rows(self, slices: list[dict], rank: int):
         """The step's slices as one _Rows, and per slice k what TRL normalizes by:
         meta[k] = (rows, loss tokens, the generation batch's loss tokens, completion width 1)."""
         layout = self._odc_layout(slices[0])
+        keys = [key for key, _ in layout]
+        for s in slices[1:]:
+            other = [key for key, _ in self._odc_layout(s)]
+            if other != keys and (_VISION in other) != (_VISION in keys):
+                raise ValueError(
+                    f"{WHERE}: this rank's TRL microbatches of one step are some with images "
+                    "and some text-only (generation batches of image prompts and of text-only "
+                    "prompts): a repacked microbatch would mix them, and a text-only rollout's "
+                    "positions would then be computed as in an image batch, not as TRL computes "
+                    "them; not served. Keep every generation batch of a vision-language run "
+                    "with images in every prompt, or with none in any.")
+            if other != keys:
+                raise ValueError(f"{WHERE}: TRL's microbatches of one step carry different keys")
+        slices = [self._odc_vision_rows(s) if _VISION in keys else s for s in slices]
         widths = {"prompt": max(s["prompt_ids"].size(1) for s in slices),
                   "completion": max(s["completion_ids"].size(1) for s in slices)}
+        if _VISION in keys:
+            widths["patches"] = max(s["pixel_values"].size(1) for s in slices)
+            widths["images"] = max(s["image_grid_thw"].size(1) for s in slices)
         tensors = {key: [] for key, _ in layout}
         metas, slice_meta = [], {}
         for k, s in enumerate(slices):
-            if [key for key, _ in self._odc_layout(s)] != [key for key, _ in layout]:
-                raise ValueError(f"{WHERE}: TRL's microbatches of one step carry different keys")
             pmask, cmask = s["prompt_mask"], s["completion_mask"]
             loss_mask = cmask if s.get("tool_mask") is None else cmask * s["tool_mask"]
             plen, clen = pmask.sum(-1), cmask.sum(-1)
@@ -465,6 +538,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     t = _fit(t, widths["prompt"], "left", self._odc_pad_value(key))
                 elif kind == "completion":
                     t = _fit(t, widths["completion"], "right", self._odc_pad_value(key))
+                elif kind in ("patches", "images"):
+                    t = _fit_rows(t, widths[kind])
                 tensors[key].append(t)
             metas.append(torch.stack([torch.full_like(plen, rank), torch.full_like(plen, k),
                                       plen, clen, loss_mask.sum(-1).to(plen.dtype)], dim=1))
@@ -472,6 +547,61 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                      torch.cat(metas).long())
         self._odc_layout_cache = layout
         return rows, slice_meta
+
+    def _odc_vision_rows(self, s: dict) -> dict:
+        """A TRL slice of a vision-language model with its vision fields per rollout:
+        ``pixel_values`` (rows, patches, D) and ``image_grid_thw`` (rows, images, 3), each row's
+        own in order and zero-padded; ``mm_token_type_ids`` cut to the prompt's columns (TRL
+        appends zeros for the completion's, checked here); ``_VISION`` (rows, 2): each row's
+        images and patches. Checked against TRL's layout: image k has prod(image_grid_thw[k])
+        pixel rows, rollout i has num_images[i] images (at least one), and the prompt's image
+        tokens are exactly where mm_token_type_ids is 1 (prompts left-padded as prompt_ids)."""
+        n = s["prompt_ids"].size(0)
+        counts = [int(c) for c in s["num_images"]]
+        grid, pixels, mm = s["image_grid_thw"], s["pixel_values"], s["mm_token_type_ids"]
+        if len(counts) != n or sum(counts) != grid.size(0) or grid.dim() != 2:
+            raise ValueError(f"{WHERE}: num_images {counts} does not split image_grid_thw of "
+                             f"shape {tuple(grid.shape)} over {n} rollouts")
+        if min(counts, default=1) < 1:
+            raise ValueError(f"{WHERE}: a rollout without an image in a batch with images "
+                             f"(num_images {counts}): mixed image / text-only rollouts are not "
+                             "served")
+        patches = [int(x) for x in grid.prod(-1).tolist()]
+        if pixels.dim() != 2 or pixels.size(0) != sum(patches):
+            raise ValueError(f"{WHERE}: pixel_values of shape {tuple(pixels.shape)} for "
+                             f"{sum(patches)} patches (image_grid_thw): not the Qwen2-VL layout "
+                             "(one pixel_values row per patch)")
+        P, C = s["prompt_ids"].size(1), s["completion_ids"].size(1)
+        if mm.shape != (n, P + C) or bool(mm[:, P:].any()):
+            raise ValueError(f"{WHERE}: mm_token_type_ids of shape {tuple(mm.shape)} is not the "
+                             "prompt's types followed by zeros for the completion (images in a "
+                             "completion, from tools, are not served)")
+        image_token = _compat.read(self, "_image_pad_token_id")
+        prompt_mm = mm[:, :P]
+        if image_token is None or not torch.equal(prompt_mm != 0,
+                                                  s["prompt_ids"] == image_token) \
+                or bool((prompt_mm > 1).any()):
+            raise ValueError(f"{WHERE}: mm_token_type_ids does not mark exactly the prompt's "
+                             "image tokens (or marks videos): the processor pads on the other "
+                             "side than TRL's left-padded prompt_ids (set the processor's "
+                             "tokenizer padding_side='left'), or the prompt holds videos")
+        per_row = torch.tensor([sum(patches[a:a + c]) for a, c in
+                                zip(itertools.accumulate([0, *counts[:-1]]), counts,
+                                    strict=True)])
+        width, most = int(per_row.max()), max(counts)
+        pix = pixels.new_zeros((n, width, pixels.size(1)))
+        grids = grid.new_zeros((n, most, 3))
+        at_pix = at_img = 0
+        for i, c in enumerate(counts):
+            m = int(per_row[i])
+            pix[i, :m] = pixels[at_pix:at_pix + m]
+            grids[i, :c] = grid[at_img:at_img + c]
+            at_pix, at_img = at_pix + m, at_img + c
+        device = s["prompt_ids"].device
+        vision = torch.stack([torch.tensor(counts), per_row], dim=1).to(device)
+        return {**{k: v for k, v in s.items() if k not in VISION_KEYS},
+                "mm_token_type_ids": prompt_mm, "pixel_values": pix, "image_grid_thw": grids,
+                _VISION: vision}
 
     def _odc_exchange(self, rows: _Rows, slice_meta: dict, step: int, plain: int):
         """LB-Mini over every rank's rows of the step; the rows move to the ranks it names
@@ -485,17 +615,32 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 "slices": slice_meta,
                 "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
                 "prompt": rows.tensors["prompt_ids"].size(1),
-                "completion": rows.tensors["completion_ids"].size(1)}
+                "completion": rows.tensors["completion_ids"].size(1),
+                "patches": (rows.tensors["pixel_values"].shape[1:]
+                            if "pixel_values" in rows.tensors else None),
+                "images": (rows.tensors["image_grid_thw"].size(1)
+                           if "image_grid_thw" in rows.tensors else None),
+                "row_images": rows.images()}
         infos = [None] * world
         dist.all_gather_object(infos, info)  # the one exchange of lengths
         for r, other in enumerate(infos):
+            if (other["images"] is None) != (infos[0]["images"] is None):
+                raise ValueError(
+                    f"{WHERE}: step {step}: rank {r}'s rollouts "
+                    f"{'have no' if other['images'] is None else 'have'} images, rank 0's "
+                    f"{'none' if infos[0]['images'] is None else 'have'}: moving rollouts "
+                    "would mix image and text-only rollouts in a microbatch, not served. "
+                    "ODCGRPOConfig(rebalance=False) runs each rank's own rollouts (each "
+                    "microbatch then as TRL's own).")
             if other["layout"] != infos[0]["layout"]:
                 raise ValueError(f"{WHERE}: step {step}: rank {r}'s rollouts carry "
                                  f"{other['layout']}, rank 0's {infos[0]['layout']}")
         lengths = [n for other in infos for n in other["lengths"]]
         shapes = [tuple(x) for other in infos for x in other["shapes"]]
+        images = (None if infos[0]["row_images"] is None
+                  else [im for other in infos for im in other["row_images"]])
         plan = self._odc_plan(lengths, shapes, world, step,
-                              max(other["plain"] for other in infos))
+                              max(other["plain"] for other in infos), images)
         self._odc_plain_work = [other["plain_work"] for other in infos]
         # Every rank's prompts and completions padded to the step's widest, so that rows of
         # every rank share one layout on the wire.
@@ -508,6 +653,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 t = _fit(t, P, "left", self._odc_pad_value(key))
             elif kind == "completion":
                 t = _fit(t, C, "right", self._odc_pad_value(key))
+            elif kind == "patches":
+                if len({tuple(other["patches"][1:]) for other in infos}) != 1:
+                    raise ValueError(f"{WHERE}: step {step}: the ranks' pixel_values differ in "
+                                     f"their patch size: {[o['patches'] for o in infos]}")
+                t = _fit_rows(t, max(other["patches"][0] for other in infos))
+            elif kind == "images":
+                t = _fit_rows(t, max(other["images"] for other in infos))
             tensors[key] = t
         tensors[_META] = rows.meta
         # LB-Mini's rank labels are arbitrary: keep rows in place where the plan allows.
@@ -584,6 +736,21 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             elif kind == "completion":
                 t = _fit(t, cw, "right", self._odc_pad_value(key))
             batch[key] = t
+        if _VISION in batch:
+            # The rows' images in row order, as TRL's slice holds them: each row's pixel rows
+            # and grids concatenated (a row's own are the first of its padded ones).
+            vision = batch.pop(_VISION).tolist()
+            pixels, grids = batch.pop("pixel_values"), batch.pop("image_grid_thw")
+            mm = batch.pop("mm_token_type_ids")
+            if any(c for c, _ in vision):
+                batch["pixel_values"] = torch.cat([pixels[i, :m]
+                                                   for i, (_, m) in enumerate(vision)])
+                batch["image_grid_thw"] = torch.cat([grids[i, :c]
+                                                     for i, (c, _) in enumerate(vision)])
+                batch["num_images"] = [c for c, _ in vision]
+                batch["mm_token_type_ids"] = torch.cat(
+                    [mm, mm.new_zeros((mm.size(0), cw))], dim=1)
+            # else: no image, no vision forward (as TRL's text-only batch: no vision field)
         return _Microbatch(batch, {key: value[idx] for key, value in weights.items()},
                            meta[:, 1])
 
@@ -599,9 +766,14 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         logits_to_keep = completion_ids.size(1)
         mask = (completion_mask if "tool_mask" not in inputs
                 else completion_mask * inputs["tool_mask"])
+        vision = {key: inputs[key] for key in VISION_KEYS if key in inputs}
+        if vision:
+            # The LM head's lone FSDP unit (a vision-language model: accelerate finds no final
+            # norm beside it), which TRL's fused head reads without calling it.
+            self._odc_unshard_output_head()
         per_token_logps, entropies, _ = _compat.call(
             self, "_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
-            logits_to_keep, compute_entropy=True)
+            logits_to_keep, compute_entropy=True, **vision)
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
@@ -817,6 +989,47 @@ class _Phase:
             self.host[self.part].append(seconds)
         else:
             self.host[self.part] = self.host.get(self.part, 0.0) + seconds
+
+
+def _refuse_mixed_images(batch) -> None:
+    """A vision-language model's generation batch (the dataset's rows, as TRL's
+    ``_generate_and_score_completions`` reads them) with image prompts and text-only prompts
+    together is refused, naming the cause: TRL 1.16 hands the processor a ``None`` image list
+    for the text-only rows, which raises TypeError, so no unmodified run defines the
+    gradient."""
+    if not isinstance(batch, list) or not batch or not isinstance(batch[0], dict):
+        return
+
+    def has_images(row) -> bool:
+        if row.get("images"):
+            return True
+        if row.get("image") is not None:
+            return True
+        prompt = row.get("prompt")
+        return isinstance(prompt, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), list)
+            and any(isinstance(c, dict) and c.get("type") == "image" for c in m["content"])
+            for m in prompt)
+
+    flags = [has_images(row) for row in batch]
+    if any(flags) and not all(flags):
+        raise ValueError(
+            f"{WHERE}: a generation batch holds {sum(flags)} prompts with images and "
+            f"{len(flags) - sum(flags)} text-only prompts. TRL 1.16's GRPOTrainer passes None "
+            "images for the text-only prompts to the processor, which raises TypeError (the "
+            "unmodified trainer cannot run this batch either), and the adapter does not "
+            "redefine TRL's processing: not served. Give every prompt of a vision-language "
+            "run an image, or train on the image and the text-only prompts separately.")
+
+
+def _fit_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (rows, w, ...) zero-padded to (rows, width, ...) (a row's images or patches: its own
+    come first)."""
+    if t.size(1) == width:
+        return t
+    if t.size(1) > width:
+        raise ValueError(f"{WHERE}: cannot cut a row's images or patches ({t.size(1)} > {width})")
+    return torch.cat([t, t.new_zeros((t.size(0), width - t.size(1), *t.shape[2:]))], dim=1)
 
 
 def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:

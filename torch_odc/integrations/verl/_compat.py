@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from torch_odc.integrations._manifest import (
     CLASS,
+    CONSTANT,
     FIELD,
     FUNCTION,
     INSTANCE,
@@ -83,6 +84,9 @@ ENTRIES: tuple[Entry, ...] = (
        "the critic engine the 'odc' engine subclasses"),
     _v(ENGINE, "_init_device_mesh", OVERRIDE,
        "FSDP2 shards over an odc process group when verl's default group is not odc"),
+    _v(ENGINE, "_build_module", OVERRIDE,
+       "a Qwen2-VL family model: its text-only microbatches run without verl's dummy vision "
+       "forward (on this engine's model instance)"),
     _v(ENGINE, "_build_fsdp_module", OVERRIDE,
        "torch_odc.attach right after verl's FSDP2 wrapping", params=("module",)),
     _v(ENGINE, "forward_backward_batch", OVERRIDE,
@@ -121,7 +125,8 @@ ENTRIES: tuple[Entry, ...] = (
           ("get_non_tensor_data", ("data", "key", "default")),
           ("index_select_tensor_dict", ()),
           ("concat_tensordict", ()),
-          ("assign_non_tensor_data", ()))),
+          ("assign_non_tensor_data", ()),
+          ("maybe_fix_3d_position_ids", ("data",)))),
     _v("verl.utils.metric", "Metric", CLASS,
        "per-microbatch metrics reduced to one value per rank", params=("aggregation", "value")),
     _v("verl.utils.metric", "AggregationType", CLASS, "how each metric is aggregated"),
@@ -132,6 +137,17 @@ ENTRIES: tuple[Entry, ...] = (
     _v("verl.utils.metric.Metric", "aggregation", INSTANCE, "the metric's aggregation"),
     _v("verl.utils.seqlen_balancing", "calculate_workload", FUNCTION,
        "odc_cost='verl': verl's own workload model"),
+    # -- vision-language models (the Qwen2-VL family) --
+    _v("verl.models.transformers.qwen2_vl", "qwen2_vl_base_forward", FUNCTION,
+       "verl's Qwen2-VL / Qwen2.5-VL model forward (installed on the classes by verl's monkey "
+       "patch): called for microbatches with images or videos",
+       params=("input_ids", "attention_mask", "labels", "pixel_values", "pixel_values_videos",
+               "image_grid_thw", "video_grid_thw")),
+    _v("verl.models.transformers.qwen2_vl", "_get_input_embeds", REPRODUCED,
+       "its path without images or videos, less the dummy vision forward on zeros",
+       params=("model", "input_ids", "attention_mask", "pixel_values", "pixel_values_videos")),
+    _v("verl.utils.model", "_VARLEN_MULTI_MODAL_KEYS", CONSTANT,
+       "multi-modal fields verl pads per microbatch: refused"),
     # -- the CPU platform (tests, the example) --
     _v("verl.plugin.platform", "PlatformBase", CLASS, "the CPU platform's base", ("platform",)),
     _v("verl.plugin.platform", "PlatformRegistry", CLASS, "registers the CPU platform",

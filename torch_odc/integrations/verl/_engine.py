@@ -17,6 +17,10 @@ equal microbatch counts forced:
   same rows (verl's dispatch), plan the same microbatches (the token cap times the SP size, as
   verl scales it) and check that they did, once per mini-batch; SP groups run free.
 * ``optimizer_step`` waits in the model's minibatch barrier before verl's clipping.
+* Vision-language models of the Qwen2-VL family: a row's images travel with it, LB-Mini's
+  cost counts their patches, and a microbatch without images runs no vision forward (verl's
+  forward runs one on zeros; see ``_vision.py``). Multi-modal fields the engine has not worked
+  out are refused by name, on every rank at once.
 * ``train_batch`` reduces the per-microbatch ``Metric`` values over all ranks once, after the
   step, to one value per rank, so that verl's ``Metric.aggregate_dp`` (which needs equal counts)
   logs what it logs for an equalized run.
@@ -40,7 +44,7 @@ import torch.distributed as dist
 import torch_odc
 from torch_odc import balance
 
-from . import _compat
+from . import _compat, _vision
 
 # verl's names, through the compatibility manifest (_compat.py lists each with its release).
 tu = _compat.load("verl.utils", "tensordict_utils")
@@ -137,6 +141,10 @@ class ODCEngineMixin:
         self.odc_cost = _option(engine_config, "odc_cost")
         self.odc_eager_publish = _option(engine_config, "odc_eager_publish")
         self.odc_handle = None
+        # Vision-language models (``_vision.py``): the models whose text-only path this engine
+        # runs without verl's dummy, and how many forwards ran with and without vision inputs.
+        self.odc_vision_models: list = []
+        self.odc_vision_forwards = {"text_only": 0, "with_vision": 0}
         # Per optimizer step of this rank: its microbatch count, sequences and tokens.
         self.odc_steps: list[dict] = []
         self.odc_forward_passes = 0
@@ -172,14 +180,23 @@ class ODCEngineMixin:
         if handle is not None and (device != "cpu" or handle.device.type == "cpu"):
             handle.restore_memory()
 
+    def _build_module(self):
+        module = super()._build_module()
+        if self.odc_active:
+            self.odc_vision_models = _vision.serve_without_dummy(module, self.odc_vision_forwards)
+        return module
+
     def _build_fsdp_module(self, module):
         module = super()._build_fsdp_module(module)
         if self.odc_active:
             self.odc_handle = torch_odc.attach(module, eager_publish=self.odc_eager_publish)
             if not self.odc_handle.on_demand:
                 # attach warned why (one rank, ranks on several hosts, no transport): FSDP2's
-                # collectives run every microbatch, so verl's own path (equal counts) runs.
+                # collectives run every microbatch, so verl's own path (equal counts) runs,
+                # verl's own forward included (every rank runs the vision tower every time).
                 self.odc_active = False
+                _vision.undo(self.odc_vision_models)
+                self.odc_vision_models = []
         return module
 
     # -- one mini-batch: this rank's microbatches, the barrier, the metrics ---------------------
@@ -191,16 +208,25 @@ class ODCEngineMixin:
         # microbatch's tokens), as verl's own forward_backward_batch has it.
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         keep_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        # The loss denominators over the DP group, as verl's engine computes them: one
+        # all-reduce per mini-batch, which every rank calls once (before LB-Mini moves rows:
+        # the sum is the same). It also counts what the ranks' rows carry that the engine does
+        # not serve, so that all of them refuse it together.
+        refused = _vision.check(data, self.model_config.hf_config.model_type)
+        num_tokens = data["loss_mask"].sum()
+        totals = torch.stack([num_tokens, torch.tensor(len(refused), dtype=num_tokens.dtype,
+                                                        device=num_tokens.device)])
+        totals = totals.to(torch.device(self.device_mesh.device_type))
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        if totals[1].item():
+            self._odc_refuse(refused, forward_only)
+        tu.assign_non_tensor(data, batch_num_tokens=totals[0].item(),
+                             dp_size=self.get_data_parallel_size())
         planned, started = None, time.perf_counter()
         if not forward_only and self.odc_balance == "mini":
             data, planned = self._odc_lb_mini(data, keep_outputs)
         balanced = time.perf_counter() - started
-        # The loss denominators over the DP group, as verl's engine computes them: one
-        # all-reduce per mini-batch, which every rank calls once.
-        num_tokens = data["loss_mask"].sum().to(torch.device(self.device_mesh.device_type))
-        dist.all_reduce(num_tokens, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=num_tokens.item(),
-                             dp_size=self.get_data_parallel_size())
+        images = _vision.row_images(data)
         if planned is not None:
             indices = planned
             micro_batches = [tu.index_select_tensor_dict(data, mb) for mb in planned]
@@ -233,7 +259,14 @@ class ODCEngineMixin:
                                    "tokens": sum(_row_lengths(data)),
                                    "received": self._odc_received if planned is not None else 0,
                                    "moved": self._odc_moved if planned is not None else 0,
-                                   "balance_seconds": balanced})
+                                   "balance_seconds": balanced,
+                                   **({} if images is None else {
+                                       "patches": sum(map(sum, images)),
+                                       # Microbatches that run the vision tower (with images).
+                                       "vision_microbatches": sum(
+                                           any(images[i] for i in mb) for mb in indices),
+                                       "cost": self._odc_cost if planned is not None else None,
+                                   })})
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def optimizer_step(self):
@@ -241,6 +274,12 @@ class ODCEngineMixin:
         # collective over them), the GradScaler and the step come after it.
         if self.odc_active:
             self.odc_handle.barrier()
+            # verl's dummy vision forward gives the vision tower a (zero) gradient in every
+            # microbatch; where no rank had an image, ODC's barrier leaves none: zeros, so that
+            # the optimizer steps as on verl's.
+            zeroed = _vision.zero_missing_grads(self.odc_vision_models)
+            if self.odc_vision_models and self.odc_steps:
+                self.odc_steps[-1]["vision_grads_zeroed"] = zeroed
         return super().optimizer_step()
 
     def train_batch(self, data, loss_function):
@@ -248,6 +287,24 @@ class ODCEngineMixin:
         if self.odc_active and "metrics" in outputs:
             _reduce_metrics(outputs["metrics"], self.get_data_parallel_group())
         return outputs
+
+    def _odc_refuse(self, mine: list[str], forward_only: bool) -> None:
+        """Some rank's rows carry multi-modal fields the engine does not serve: every rank of
+        the DP group raises, naming each problem and the ranks whose rows had it."""
+        group = self.get_data_parallel_group()
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        peers = dist.get_process_group_ranks(group)
+        seen: dict[str, list[int]] = {}
+        for rank, problems in zip(peers, everyone):
+            for problem in problems:
+                seen.setdefault(problem, []).append(rank)
+        what = (f"forward-only pass {self.odc_forward_passes + 1}" if forward_only
+                else f"training step {len(self.odc_steps) + 1}")
+        detail = "; ".join(f"{problem} (rows of rank(s) {ranks})" for problem, ranks in
+                           seen.items())
+        raise NotImplementedError(
+            f"{_WHERE}: rank {dist.get_rank()}, {what} of this engine: not served: {detail}")
 
     def _odc_check_sp_plan(self, data, indices, count: int, forward_only: bool) -> None:
         """The ranks of one Ulysses SP group run each microbatch together (its all-to-alls are
@@ -296,25 +353,47 @@ class ODCEngineMixin:
         # The cap of a microbatch of one DP rank (an SP group shares its tokens), as verl's
         # prepare_micro_batches scales it.
         cap = int(data["max_token_len_per_gpu"]) * self.ulysses_sequence_parallel_size
-        local = _row_lengths(data)
+        # Each row's tokens and, for a vision-language model, the patches of its images.
+        local = (_row_lengths(data), _vision.row_images(data))
         everyone = [None] * world
         dist.all_gather_object(everyone, local, group=group)
-        lengths = [n for part in everyone for n in part]
+        lengths = [n for part, _ in everyone for n in part]
+        images = ([im for part, ims in everyone for im in (ims or [()] * len(part))]
+                  if any(ims for _, ims in everyone) else None)
         if max(lengths) > cap:
             raise ValueError(
                 f"{where}: a sequence of {max(lengths)} tokens is longer than the cap of "
                 f"{cap} tokens (max_token_len_per_gpu x ulysses_sequence_parallel_size; verl "
                 "refuses it too)")
-        plan = balance.plan(lengths, world, cap, mode="mini", cost=self._odc_cost_fn())
-        # Rows move pickled (a TensorDict's rows may be nested tensors). LB-Mini's rank labels
-        # are arbitrary: each rank takes the share it holds most rows of (verl's driver already
+        cost = self._odc_cost_fn()
+        # A row's cost: its tokens' under the cost model, plus each of its images' patches as a
+        # sequence of that many (the vision tower attends within an image). The token cap is
+        # verl's, on tokens (an image's placeholders are tokens too).
+        costs = balance.sequence_costs(lengths, cost)
+        if images is not None:
+            flat = [p for im in images for p in im]
+            image_costs = iter(balance.sequence_costs(flat, cost) if flat else [])
+            costs = [c + sum(next(image_costs) for _ in im) for c, im in zip(costs, images)]
+        plan = balance.plan(lengths, world, cap, mode="mini", costs=costs)
+        # Rows move pickled (a TensorDict's rows may be nested tensors; a row's
+        # multi_modal_inputs, its images, is one of its fields). LB-Mini's rank labels are
+        # arbitrary: each rank takes the share it holds most rows of (verl's driver already
         # balanced the batch, so most rows stay where they are).
         exchanged = balance.exchange_rows(
-            data.select(*_row_keys(data)), plan, [len(part) for part in everyone], group=group,
-            keep_in_place=True, take=tu.index_select_tensor_dict, join=tu.concat_tensordict,
-            where=where)
+            data.select(*_row_keys(data)), plan, [len(part) for part, _ in everyone],
+            group=group, keep_in_place=True, take=tu.index_select_tensor_dict,
+            join=tu.concat_tensordict, where=where)
         self._odc_received, self._odc_moved = exchanged.received, exchanged.moved
+        rank = dist.get_rank(group)
+        share = [i for mb in exchanged.plan[rank] for i in mb]
+        self._odc_cost = sum(costs[i] for i in share)
         mine = exchanged.rows
+        # As verl after its own pickling of rows: a VLM's (4, length) position ids come back
+        # with the wrong ragged dimension.
+        tu.maybe_fix_3d_position_ids(mine)
+        if images is not None and (_vision.row_images(mine) or []) != [images[i] for i in share]:
+            raise RuntimeError(f"{where}: the rows that arrived do not carry the images "
+                               "planned with them")
         _copy_non_tensor(data, mine)
         return mine, exchanged.microbatches
 

@@ -14,6 +14,10 @@ own FSDP2 engine (equal microbatch counts) on the same data:
 * the critic (``value_loss``, ``FSDPEngineWithValueHead`` under ODC);
 * ``TrainingWorker.train_batch`` with a rank that holds a single short sequence;
 * configurations that cannot work under ODC are refused with a message;
+* a tiny Qwen2-VL and Qwen2.5-VL (tests/verl_vlm.py) with rows with images, a video and none:
+  microbatches without images run no vision forward under ODC (verl's engine runs a dummy one
+  on zeros, with a test fix for transformers 5: ``verl_vlm.install_dummy_fix``), LB-Mini moves
+  rows with their images and costs their patches, unserved multi-modal fields are refused;
 * on 4 ranks (one more launch): verl's 2-D ``("ddp", "fsdp")`` mesh (``fsdp_size=2``, HSDP over
   odc) and Ulysses sequence parallelism (dp 2 x sp 2, one SP group running more microbatches
   than the other; with LB-Mini; inside the 2-D mesh), against verl's own engine with the same
@@ -148,6 +152,67 @@ def test_reference_model_is_not_refused(runs):
     # and runs as verl's FSDP2 engine (verl offloads it with pinned memory: GPUs only).
     for rank in runs["ranks"]:
         assert rank["reference"] == {"class": "ODCFSDPEngineWithLMHead", "active": False}
+
+
+# -- vision-language rows: a tiny Qwen2-VL / Qwen2.5-VL (tests/verl_vlm.py) -----------------
+
+
+def _vision_forwards(run) -> tuple[int, int]:
+    """(calls of the vision tower, dummy vision forwards) in one run of one rank."""
+    return run["before"]["vision"], run["after"]["dummy_end"] - run["before"]["dummy_start"]
+
+
+@pytest.mark.parametrize("name, reference", [("vlm_odc", "vlm_ref"), ("vlm25_odc", "vlm25_ref")])
+def test_vlm_mixed_image_and_text_microbatches_equal_verl(runs, name, reference):
+    """Rows with images, a video and none, AdamW: verl's own engine (equal counts, its dummy
+    vision forward in every text-only microbatch) and the "odc" engine (its own counts, no
+    vision forward without images) reach the same parameters, log-probs and logged values."""
+    counts = _compare(runs, name, reference)
+    assert counts == [[2, 2, 1, 2], [1, 1, 2, 1]], counts
+    for rank in runs["ranks"]:
+        odc, ref = rank[name], rank[reference]
+        steps = odc["steps"]
+        # Text-only microbatches beside ones with images, on the same rank and across ranks.
+        assert any(0 < s["vision_microbatches"] < s["microbatches"] for s in steps), steps
+        # The second mini-batch of call 0 has no image on any rank: the vision tower's
+        # gradients are verl's zeros (AdamW then moves it as on verl's engine); otherwise none.
+        assert [s["vision_grads_zeroed"] > 0 for s in steps] == [False, True, False, False]
+        vision, dummies = _vision_forwards(odc)
+        assert dummies == 0 and vision == odc["after"]["odc"]["with_vision"] > 0, odc["after"]
+        assert odc["after"]["odc"]["text_only"] > 0, odc["after"]
+        ref_vision, ref_dummies = _vision_forwards(ref)
+        assert ref_dummies > 0 and ref_vision > vision, (ref_vision, ref_dummies, vision)
+
+
+def test_vlm_lb_mini_moves_rows_with_their_images(runs):
+    """LB-Mini over rows with images: rows move between ranks with their images (the arrived
+    rows' image grids are checked against the plan, and the result equals verl's), and a row
+    costs its tokens plus its images' patches (odc_cost="tokens")."""
+    from verl_vlm import calls, patches, tokens  # tests/ is on sys.path
+
+    _compare(runs, "vlm_mini_odc", "vlm_ref")
+    steps = [rank["vlm_mini_odc"]["steps"] for rank in runs["ranks"]]
+    assert any(s["received"] for rank in steps for s in rank), steps
+    assert any(s["sequences"] != 2 for rank in steps for s in rank), steps
+    for rank in steps:
+        for s in rank:
+            assert s["cost"] == s["tokens"] + s["patches"], s
+    # Every row's patches arrived somewhere: each step's patches over the ranks are the rows'.
+    for step, (call, half) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        rows = [r for rank in calls()[call] for r in rank[2 * half:2 * half + 2]]
+        assert sum(rank[step]["patches"] for rank in steps) == sum(map(patches, rows))
+        assert sum(rank[step]["tokens"] for rank in steps) == sum(map(tokens, rows))
+    for rank in runs["ranks"]:
+        assert _vision_forwards(rank["vlm_mini_odc"])[1] == 0
+
+
+def test_vlm_unserved_field_is_refused_on_every_rank(runs):
+    # Rank 1's rows carry 'mm_token_type_ids' (verl pads it per microbatch): both ranks raise
+    # before any microbatch, naming the field and the rank whose rows had it.
+    for rank, found in enumerate(runs["ranks"]):
+        message = found["vlm_odc"]["after"]["refused"]
+        assert f"rank {rank}, training step 5 of this engine: not served" in message, message
+        assert "'mm_token_type_ids'" in message and "(rows of rank(s) [1])" in message, message
 
 
 def test_unsupported_settings_are_refused(runs):

@@ -142,8 +142,8 @@ def rows(td, index: list[int]):
 
 def make_worker(strategy: str, critic: bool, model_path: str, lr: float, **odc):
     """verl's TrainingWorker with strategy "fsdp2" (verl's own engine) or "odc"; ``odc`` holds
-    the ODCEngineConfig options, ``engine`` more engine options (both strategies) and
-    ``model`` more HFModelConfig options."""
+    the ODCEngineConfig options, ``engine`` more engine options (both strategies), ``model``
+    more HFModelConfig options and ``optim`` FSDPOptimizerConfig options (SGD by default)."""
     import torch
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
@@ -156,21 +156,21 @@ def make_worker(strategy: str, critic: bool, model_path: str, lr: float, **odc):
 
     from torch_odc.integrations.verl import ODCEngineConfig
 
-    common = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
-                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                   "buffer_dtype": "fp32"},
-                  use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKENS,
-                  infer_max_token_len_per_gpu=MAX_TOKENS, **odc.pop("engine", {}))
+    common = {**dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
+                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                      "buffer_dtype": "fp32"},
+                     use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKENS,
+                     infer_max_token_len_per_gpu=MAX_TOKENS), **odc.pop("engine", {})}
     model = {"use_remove_padding": False, "override_config": {"attn_implementation": "eager"},
              **odc.pop("model", {})}
+    optim = {"optimizer": "SGD", "lr": lr, "weight_decay": 0.0, **odc.pop("optim", {})}
     engine = (ODCEngineConfig(**common, **odc) if strategy == "odc"
               else FSDPEngineConfig(**common))
     config = TrainingWorkerConfig(
         model_type="value_model" if critic else "language_model",
         model_config=HFModelConfig(path=model_path, load_tokenizer=False, **model),
         engine_config=engine,
-        optimizer_config=FSDPOptimizerConfig(optimizer="SGD", lr=lr, weight_decay=0.0,
-                                             clip_grad=10.0, total_training_steps=10),
+        optimizer_config=FSDPOptimizerConfig(clip_grad=10.0, total_training_steps=10, **optim),
         checkpoint_config=CheckpointConfig(),
     )
     torch.manual_seed(1)  # the critic's value head is initialized at random: the same in every run
@@ -245,12 +245,15 @@ def finish(worker) -> None:
 
 
 def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, odc,
-                   layout=None, after=None):
+                   layout=None, after=None, make=None, before=None):
     """verl's update of one rollout batch: train_mini_batch over the rank's dispatched rows
     (verl's dispatch gives each rank an equal chunk), 2 mini-batches -> 2 optimizer steps.
     ``layout(rank, responses)`` gives the rank's rows of the whole batch where they are not
     ``responses[rank]`` (the ranks of one SP group hold the same rows); ``after(worker)``
-    runs before the worker is finished, its result under "after"."""
+    runs before the worker is finished, its result under "after"; ``make(rows, seed)`` builds
+    the batch from the rows' specs (default: make_batch of response lengths);
+    ``before(worker)`` runs once the worker is built, its result (a dict it may keep
+    updating) under "before"."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -258,9 +261,12 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
         model_path = model_path + "-critic"
     worker = make_worker(strategy, critic, model_path, lr=0.5, **odc)
     worker.set_loss_fn(critic_loss() if critic else actor_loss())
+    seen = before(worker) if before is not None else None
     logged, forward = [], []
     for call, responses in enumerate(dispatched):
-        whole = make_batch([r for part in responses for r in part], seed + call, critic)
+        specs = [r for part in responses for r in part]
+        whole = (make(specs, seed + call) if make is not None
+                 else make_batch(specs, seed + call, critic))
         per_rank = len(responses[0])
         start = sum(len(p) for p in responses[:rank])
         mine = (list(range(start, start + len(responses[rank]))) if layout is None
@@ -287,6 +293,8 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
     steps = list(getattr(worker.engine, "odc_steps", []))
     result = {"metrics": logged, "params": parameters(worker), "steps": steps,
               "forward": forward, "mesh": meshes(worker.engine)}
+    if seen is not None:
+        result["before"] = seen
     if after is not None:
         result["after"] = after(worker)
     finish(worker)
@@ -441,8 +449,107 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
         timed("hosts_odc", fallback_run, rank, world, model_path, actor_data, 10)
     finally:
         del os.environ["ODC_HOST_ID"]
+    vlm_scenarios(timed, rank, world, model_path)
     out["reference"] = reference_engine(model_path)
     out["refused_offload"] = refused(model_path, offload_policy=True)
+    out["timings"] = timings
+    return out
+
+
+# -- vision-language rows: a tiny Qwen2-VL (tests/verl_vlm.py) -------------------------------
+
+VLM_TOKENS = 64  # max_token_len_per_gpu of the VLM cases (verl_vlm.calls()'s rows)
+VLM_ENGINE = {"max_token_len_per_gpu": VLM_TOKENS, "infer_max_token_len_per_gpu": VLM_TOKENS}
+# AdamW (verl's default) with weight decay: a step whose vision parameters got only zeros (no
+# image on any rank) still moves them on verl's engine (by ~lr: the moments of earlier steps),
+# and must under ODC too. eps 1e-4 rather than 1e-8: AdamW divides by sqrt(v) + eps, which
+# turns the last bits of a gradient element that nearly cancels (the order in which ranks'
+# gradients are summed differs, 1e-9 of 1e-7) into a step of up to lr x 1e-2, near the 1e-6
+# bound; with 1e-4 such an element moves by lr x 1e-5 at most.
+VLM_OPTIM = {"optimizer": "AdamW", "lr": 2e-3, "weight_decay": 0.01,
+             "override_optimizer_config": {"eps": 1e-4}}
+
+
+def _vlm_before(worker) -> dict:
+    import verl_vlm
+
+    seen = verl_vlm.count_vision_forwards(worker)
+    seen["dummy_start"] = verl_vlm.DUMMY_CALLS["dummy"]
+    return seen
+
+
+def _vlm_after(worker, refuse: bool = False) -> dict:
+    import verl_vlm
+
+    out = {"dummy_end": verl_vlm.DUMMY_CALLS["dummy"],
+           "odc": dict(getattr(worker.engine, "odc_vision_forwards", {}))}
+    if refuse:
+        out["refused"] = _vlm_refused(worker)
+    return out
+
+
+def _vlm_refused(worker) -> str:
+    """A train_batch whose rows on rank 1 carry 'mm_token_type_ids' (a field verl pads per
+    microbatch): every rank must refuse it, naming the field and rank 1 (none may hang)."""
+    import torch
+    import torch.distributed as dist
+    import verl_vlm
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    whole = verl_vlm.make_batch([verl_vlm.row(4, 6, images=[(4, 4)]), verl_vlm.row(4, 6)] * 2,
+                                99)
+    data = rows(whole, [0, 1] if dist.get_rank() == 0 else [2, 3])
+    if dist.get_rank() == 1:
+        inputs = [dict(getattr(x, "data", x)) for x in data.get("multi_modal_inputs")]
+        inputs[0]["mm_token_type_ids"] = torch.zeros(1, 12, dtype=torch.long)
+        data["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d)
+                                                               for d in inputs])
+    tu.assign_non_tensor(data, global_batch_size=4, calculate_entropy=True,
+                         global_token_num=[int(x) for x in data["input_ids"].offsets().diff()])
+    try:
+        worker.train_batch(data)
+    except NotImplementedError as e:
+        return str(e)
+    return "not refused"
+
+
+def vlm_scenarios(timed, rank: int, world: int, model_path: str) -> None:
+    """verl's own engine (its dummy vision forward working: verl_vlm.install_dummy_fix) and
+    the "odc" engine, local packing and LB-Mini, on the same rows with images, a video and
+    none; AdamW."""
+    import verl_vlm
+
+    verl_vlm.install_dummy_fix()
+    path, data = model_path + "-vlm", verl_vlm.calls()
+    common = dict(make=verl_vlm.make_batch, before=_vlm_before)
+    odc = {"engine": VLM_ENGINE, "optim": VLM_OPTIM}
+    timed("vlm_ref", mini_batch_run, rank, world, "fsdp2", False, path, data, 80,
+          copy.deepcopy(odc), after=_vlm_after, **common)
+    timed("vlm_odc", mini_batch_run, rank, world, "odc", False, path, data, 80,
+          copy.deepcopy(odc), after=lambda w: _vlm_after(w, refuse=True), **common)
+    timed("vlm_mini_odc", mini_batch_run, rank, world, "odc", False, path, data, 80,
+          {**copy.deepcopy(odc), "odc_balance": "mini", "odc_cost": "tokens"},
+          after=_vlm_after, **common)
+    # Qwen2.5-VL (a vision tower with a windowed block), local packing.
+    path = model_path + "-vlm25"
+    timed("vlm25_ref", mini_batch_run, rank, world, "fsdp2", False, path, data, 90,
+          copy.deepcopy(odc), after=_vlm_after, **common)
+    timed("vlm25_odc", mini_batch_run, rank, world, "odc", False, path, data, 90,
+          copy.deepcopy(odc), after=_vlm_after, **common)
+
+
+def vlm_ranks(rank: int, world: int, model_path: str) -> dict:
+    """The VLM scenarios alone (launch "vlm", for working on them; CI runs them in "two")."""
+    torch_threads_and_env(rank, world)
+    out, timings = {}, {}
+
+    def timed(name, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out[name] = fn(*args, **kwargs)
+        timings[name] = time.perf_counter() - t0
+
+    vlm_scenarios(timed, rank, world, model_path)
     out["timings"] = timings
     return out
 
@@ -586,17 +693,23 @@ def four_ranks(rank: int, world: int, model_path: str) -> dict:
 
 def main() -> None:
     """``verl_cases.py OUT.json [LAUNCH ...]``: every launch (``two``, ``one``, ``four``) unless
-    some are named (a launch left out is left out of OUT.json)."""
+    some are named (a launch left out is left out of OUT.json); ``vlm`` runs the VLM
+    scenarios of ``two`` alone."""
     from multiproc import run_ranks
 
     target, chosen = sys.argv[1], set(sys.argv[2:]) or {"two", "one", "four"}
+    import verl_vlm
+
     found, walls = {}, {}
     launches = (("two", "ranks", 2, ranks, 600.0), ("one", "one_rank", 1, one_rank, 300.0),
-                ("four", "four_ranks", 4, four_ranks, 900.0))
+                ("four", "four_ranks", 4, four_ranks, 900.0),
+                ("vlm", "vlm_ranks", 2, vlm_ranks, 600.0))
     with tempfile.TemporaryDirectory(prefix="odc-verl-") as tmp:
         model_path = os.path.join(tmp, "model")
         build_model(model_path)
         build_model(model_path + "-critic", critic=True)
+        verl_vlm.build_model(model_path + "-vlm")
+        verl_vlm.build_model(model_path + "-vlm25", family="qwen2_5_vl")
         t0 = time.perf_counter()
         for launch, key, world, fn, timeout in launches:
             if launch in chosen:

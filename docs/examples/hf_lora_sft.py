@@ -13,7 +13,7 @@ the same list of sequences on every rank (drawn from a shared seed), so
 without communication. Ranks run different numbers of microbatches (zero included) and meet once
 per minibatch in ``torch_odc.minibatch_barrier()``.
 
-Needs ``transformers`` and ``peft`` (versions tested: see docs/integrations.md). GPUs: one per
+Needs ``transformers`` and ``peft`` (versions tested: see docs/integrations/trl.md). GPUs: one per
 rank, or ranks sharing one GPU (CUDA IPC works between processes on the same device). Without
 GPUs every rank runs on CPU (fp32) over shared memory.
 """

@@ -43,7 +43,7 @@
 # raylet executable is missing) rather than run differently.
 #
 # verl's metadata pins transformers < 5.11, but the image's 5.17.0 runs these paths:
-# tests/verl_cases.py passed with it (see docs/integrations.md), so the wheels are installed
+# tests/verl_cases.py passes with it (see docs/integrations/verl.md), so the wheels are installed
 # with --no-deps into a --system-site-packages venv. `run` then builds torch_odc, runs the verl
 # tests, `benchmarks/bench_trl.py verl` on each GPU count of $NPROCS (default "2 4": verl's
 # fsdp2 engine vs odc with LB-Mini, a 1B model, long-tailed rollouts; rows into

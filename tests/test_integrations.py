@@ -1,4 +1,4 @@
-"""balance.plan_for_rank, the one-call helper that framework recipes (docs/integrations.md) use:
+"""balance.plan_for_rank, the one-call helper that framework recipes (docs/integrations/) use:
 this rank's microbatches and the global token count, the same on every rank with no
 communication; and, on real ranks under ODC, that scaling each microbatch's summed loss by
 RankPlan.loss_scale trains exactly like one process on the token mean of the whole minibatch,

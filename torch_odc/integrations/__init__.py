@@ -3,7 +3,7 @@
 * :mod:`torch_odc.integrations.hf`: the Hugging Face ``transformers.Trainer`` and TRL's
   ``SFTTrainer`` (needs ``transformers`` and ``accelerate``; ``trl`` for the SFT trainer).
 * :mod:`torch_odc.integrations.verl`: verl 0.9.1's FSDP2 engine as engine strategy ``"odc"``
-  (needs ``verl``; it lives in its own environment, see docs/integrations.md).
+  (needs ``verl``; it lives in its own environment, see docs/integrations/verl.md).
 
 Each has a compatibility manifest, ``hf/_compat.py`` and ``verl/_compat.py`` (machinery in
 ``_manifest.py``): every name of the frameworks the adapters use beyond their public API, with

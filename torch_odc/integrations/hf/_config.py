@@ -47,7 +47,7 @@ class ODCConfig:
             meet far fewer (benchmarks/sdpa_shapes.py; docs/benchmarks.md). GRPO: the length
             (prompt plus completion, made up by left padding; each width keeps TRL's own
             multiple); None there means 128 on CUDA (its rows are left-padded: see
-            docs/integrations.md), and on CUDA no microbatch is 64 modulo 128 tokens long.
+            docs/integrations/trl.md), and on CUDA no microbatch is 64 modulo 128 tokens long.
     """
 
     max_tokens_per_microbatch: int | None = None

@@ -12,7 +12,7 @@ step, any number of microbatches per rank (zero included), one barrier per step.
     # odc=ODCConfig(...) changes a default: the cap, the cost model, the planner
     trainer.train()
 
-What the returned subclass changes in the Trainer (docs/integrations.md has the whole story):
+What the returned subclass changes in the Trainer (docs/integrations/trl.md has the whole story):
 
 * **One optimizer step = one item of the training dataloader**: the step's sequences are the
   next ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` of the epoch's

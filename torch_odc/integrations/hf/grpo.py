@@ -2,8 +2,8 @@
 does; per optimizer step the adapter repacks them into microbatches of at most
 ``max_tokens_per_microbatch`` unpadded tokens, optionally after moving rollouts between ranks
 so that every rank's step costs the same (LB-Mini over the step's rollouts), and gives every
-token the weight TRL's own microbatch would have given it. docs/integrations.md ("TRL
-GRPOTrainer") has the whole story.
+token the weight TRL's own microbatch would have given it. docs/integrations/trl-grpo.md
+has the whole story.
 
 How a step runs. The Trainer's loop still calls ``training_step`` once per TRL microbatch
 (``gradient_accumulation_steps`` calls per optimizer step); each call lets TRL hand out its
@@ -261,7 +261,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         if not self._odc_slices:
             # A step begins (the last one's optimizer step and zero_grad() ran): no gradient is
             # held until its first backward, so neither are ODC's accumulators, through
-            # generation, as TRL holds no .grad there (docs/integrations.md, "Memory").
+            # generation, as TRL holds no .grad there (docs/integrations/trl-grpo.md, "Memory").
             with _Phase(self._odc_host, "free"):
                 self._odc_freed = self._odc_free_gradient_memory()
         # TRL's buffering, as GRPOTrainer.training_step would run it for this microbatch.

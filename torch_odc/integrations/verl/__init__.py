@@ -15,7 +15,7 @@ or build a ``TrainingWorkerConfig`` with ``engine_config=ODCEngineConfig(strateg
 The engines are verl's ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` with ODC attached
 after verl's FSDP2 wrapping, the minibatch barrier before verl's clipping, per-rank microbatch
 counts (no MAX over ranks) and metrics reduced once per step (``._engine`` has the details;
-docs/integrations.md the whole story). verl's 2-D ``fsdp_size`` mesh runs as ODC's HSDP, and
+docs/integrations/verl.md the whole story). verl's 2-D ``fsdp_size`` mesh runs as ODC's HSDP, and
 Ulysses sequence parallelism with each SP group planning its own microbatches; unsupported
 settings (CPU offload, ...) are refused when the engine is built. A forward-only engine (verl's
 reference model, whose strategy follows the actor's) is verl's FSDP2 engine.

@@ -176,3 +176,133 @@ class StepProbe:
             out.append({k: ([r.get(k) for r in rows] if k in PER_RANK
                             else max(r.get(k, 0.0) for r in rows)) for k in keys})
         return out
+
+
+def mask_kind(mask) -> str:
+    """What an attention layer got as its mask: ``none`` (the kernel's own causal mask, e.g.
+    SDPA's ``is_causal``), ``dense LxL <dtype>`` (a materialized 4-D mask: padding, or the
+    block-diagonal mask transformers builds from packed rows' ``position_ids`` for SDPA and
+    eager), ``BlockMask`` (flex_attention's block-sparse mask), else the type's name."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, torch.Tensor):
+        return f"dense {mask.shape[-2]}x{mask.shape[-1]} {str(mask.dtype).replace('torch.', '')}"
+    return type(mask).__name__
+
+
+class BatchProbe:
+    """What the training forwards of each step got, on this rank, as the model saw them (so
+    the configuration that reached the trainer, not the one asked for): each microbatch's
+    sequence length (``widths``) and rows, whether ``position_ids`` (padding-free rows) and
+    an ``attention_mask`` came in, and what the first attention layer got as its mask
+    (:func:`mask_kind`). Only forwards with gradients are counted (the update, not
+    generation or reference log-probs). ``step()`` closes a step; :meth:`gather` after
+    training (every rank)."""
+
+    def __init__(self, model):
+        self.per_step: list[dict] = []
+        self._now: dict = self._empty()
+        model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        attention = next((m for name, m in model.named_modules()
+                          if name.endswith("self_attn")), None)
+        if attention is not None:
+            attention.register_forward_pre_hook(self._on_attention, with_kwargs=True)
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"widths": [], "rows": [], "position_ids": False, "attention_mask": False,
+                "masks": []}
+
+    def _on_forward(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not (torch.is_grad_enabled() and isinstance(ids, torch.Tensor)):
+            return
+        now = self._now
+        now["widths"].append(int(ids.shape[-1]))
+        now["rows"].append(int(ids.shape[0]) if ids.dim() > 1 else 1)
+        now["position_ids"] |= kwargs.get("position_ids") is not None
+        now["attention_mask"] |= kwargs.get("attention_mask") is not None
+
+    def _on_attention(self, _module, _args, kwargs):
+        if torch.is_grad_enabled():
+            kind = mask_kind(kwargs.get("attention_mask"))
+            kind = kind if not kind.startswith("dense") else "dense " + kind.split(" ")[-1]
+            if kind not in self._now["masks"]:
+                self._now["masks"].append(kind)
+
+    def step(self) -> None:
+        self.per_step.append(self._now)
+        self._now = self._empty()
+
+    def gather(self) -> list[dict]:
+        """Per step, every rank's widths and rows (``widths_per_rank``, ``rows_per_rank``) and
+        whether any rank got position_ids / an attention mask, and the mask kinds seen."""
+        lists = [None] * dist.get_world_size()
+        dist.all_gather_object(lists, self.per_step)
+        out = []
+        for i in range(max(len(x) for x in lists)):
+            rows = [x[i] if i < len(x) else self._empty() for x in lists]
+            out.append({"widths_per_rank": [r["widths"] for r in rows],
+                        "rows_per_rank": [r["rows"] for r in rows],
+                        "position_ids": any(r["position_ids"] for r in rows),
+                        "attention_mask": any(r["attention_mask"] for r in rows),
+                        "attention_masks": sorted({k for r in rows for k in r["masks"]})})
+        return out
+
+
+class PeakSince:
+    """The allocator's peak since one point of the run, whoever resets the peak statistics
+    in between: ODC's derived cap resets them at each microbatch of its first step, and the
+    GRPO adapter at each phase (``torch.cuda.reset_peak_memory_stats``), which would hide
+    the peaks before those resets. From :meth:`start` (both variants call it at the same
+    point: the Trainer's ``on_train_begin``, after the model is sharded and before the first
+    step), every reset first folds the peak so far into this one. The allocator's own
+    figures (what the derived cap reads) are unchanged."""
+
+    def __init__(self):
+        self.folded = 0
+        self.started = False
+
+    def start(self) -> None:
+        if not torch.cuda.is_available() or self.started:
+            return
+        self.started = True
+        torch.cuda.reset_peak_memory_stats()
+        reset, probe = torch.cuda.reset_peak_memory_stats, self
+
+        def folding_reset(*args, **kwargs):
+            probe.folded = max(probe.folded, torch.cuda.max_memory_allocated())
+            return reset(*args, **kwargs)
+
+        torch.cuda.reset_peak_memory_stats = folding_reset
+        torch.cuda.memory.reset_peak_memory_stats = folding_reset
+
+    def peak_bytes(self) -> int | None:
+        if not self.started:
+            return None
+        return max(self.folded, torch.cuda.max_memory_allocated())
+
+    def gather_gib(self, trainer) -> list:
+        """Every rank's peak since :meth:`start` plus what ODC held beside the allocator
+        (``trainer.odc_memory_bytes``, its largest: the GRPO adapter holds less during
+        generation, so there this is an upper bound of ODC's peak), in GiB (None on CPU
+        ranks); one gather, every rank."""
+        peak = self.peak_bytes()
+        if peak is not None:
+            peak = (peak + getattr(trainer, "odc_memory_bytes", 0)) / 2**30
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+        return peaks
+
+
+def attention_record(model, sdpa_backends: bool = True) -> dict:
+    """The attention kernel a run used: the model's ``attn_implementation`` and, on CUDA,
+    which of SDPA's backends were enabled (PyTorch picks among them per call)."""
+    config = getattr(model, "config", None)
+    out = {"implementation": getattr(config, "_attn_implementation", None)}
+    if sdpa_backends and torch.cuda.is_available():
+        b = torch.backends.cuda
+        out["sdpa_backends_enabled"] = [name for name, on in (
+            ("cudnn", b.cudnn_sdp_enabled()), ("flash", b.flash_sdp_enabled()),
+            ("efficient", b.mem_efficient_sdp_enabled()), ("math", b.math_sdp_enabled())) if on]
+    return out

@@ -64,13 +64,13 @@ SIZES = {  # LlamaConfig arguments
 }
 
 
-def build_model(size: str, max_positions: int):
+def build_model(size: str, max_positions: int, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**SIZES[size], max_position_embeddings=max(max_positions, 64),
                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=1, attn_implementation="sdpa")
+                         eos_token_id=1, attn_implementation=attn)
     return LlamaForCausalLM(config)
 
 
@@ -136,7 +136,7 @@ def build_trainer(args, odc: bool, rank: int, world: int):
                         (args.min_completion, args.max_completion), seed=args.seed)
     dataset = datasets.Dataset.from_list(pairs)
     max_positions = args.max_prompt + args.max_completion + 1
-    model = build_model(args.size, max_positions)
+    model = build_model(args.size, max_positions, args.attn)
     ref_model, peft_config = None, None
     config = {
         "output_dir": tempfile.mkdtemp(prefix="odc-trl-dpo-out-"), "max_steps": args.steps,
@@ -147,6 +147,8 @@ def build_trainer(args, odc: bool, rank: int, world: int):
         "bf16": cuda, "fsdp": True, "fsdp_config": {"version": 2}, "seed": args.seed,
         "train_sampling_strategy": "sequential",  # both modes see the same pairs per step
         "loss_type": args.loss_type.split(","), "beta": args.beta, "max_length": None,
+        **({"pad_to_multiple_of": args.trl_pad_to_multiple_of}
+           if args.trl_pad_to_multiple_of is not None else {}),
     }
     if args.ref == "precompute":
         # TRL writes the reference log-probs next to the dataset's cache files on rank 0 and
@@ -171,7 +173,8 @@ def build_trainer(args, odc: bool, rank: int, world: int):
     cls, extra = DPOTrainer, {}
     if odc:
         cls = odc_trainer(DPOTrainer)
-        extra["odc"] = ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+        extra["odc"] = ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                                 pad_to_multiple_of=args.pad_to_multiple_of)
     return cls(model=model, ref_model=ref_model, args=DPOConfig(**config),
                train_dataset=dataset, processing_class=build_tokenizer(vocab),
                peft_config=peft_config, **extra)
@@ -188,8 +191,12 @@ def train(args, odc: bool) -> dict:
     per_step = args.per_device_batch * args.accumulation * world
     log, clock = [], [None]
     probe = step_probe.StepProbe(args.profile_steps, trace_dir=args.profile_trace)
+    batches, peak_since = step_probe.BatchProbe(trainer.model), step_probe.PeakSince()
 
     class Report(TrainerCallback):
+        def on_train_begin(self, _args, state, control, **kwargs):
+            peak_since.start()  # both variants: the model sharded, before the first step
+
         def on_step_begin(self, _args, state, control, **kwargs):
             if clock[0] is None:
                 clock[0] = time.perf_counter()
@@ -212,6 +219,7 @@ def train(args, odc: bool) -> dict:
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in record})
             probe.step(host=trainer.odc_steps[-1].get("host_seconds") if odc else None)
+            batches.step()
             clock[0] = time.perf_counter()  # a profiled step's summary is not the next step's
             log.append(entry)
             if rank == 0:
@@ -231,9 +239,19 @@ def train(args, odc: bool) -> dict:
             "ref": args.ref,
             "loss_type": args.loss_type, "world": world, "device": device,
             "torch": torch.__version__, "pairs_per_step": per_step, "args": vars(args),
-            "peak_memory_gib": peak_memory_gib(trainer)}
-    for entry, probed in zip(log, probe.gather_max()):
-        entry.update(probed)
+            "peak_memory_gib": peak_memory_gib(trainer),
+            "peak_since_train_begin_gib": peak_since.gather_gib(trainer),
+            "attention": step_probe.attention_record(trainer.model),
+            # What reached the trainer: its arguments and collator as trained, ODC's multiple.
+            "config": {"odc": odc, "pad_to_multiple_of": trainer.args.pad_to_multiple_of,
+                       "collator": type(trainer.data_collator).__name__,
+                       "collator_pad_to_multiple_of": getattr(trainer.data_collator,
+                                                              "pad_to_multiple_of", None),
+                       **({"odc_pad_to_multiple_of": getattr(trainer, "_odc_multiple", None),
+                           "max_tokens_per_microbatch": args.max_tokens_per_microbatch
+                           or "derived"} if odc else {})}}
+    for entry, probed, seen in zip(log, probe.gather_max(), batches.gather()):
+        entry.update(probed, batches=seen)
     return {"meta": meta, "steps": log}
 
 
@@ -256,6 +274,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="LB-Mini's cap on a microbatch's pair tokens (a longer pair runs alone); "
                          "default: derived from TRL's own microbatches (no more memory)")
+    ap.add_argument("--pad-to-multiple-of", type=int, default=None,
+                    help="ODCConfig.pad_to_multiple_of (default None: 64 on GPUs; 1: off)")
+    ap.add_argument("--trl-pad-to-multiple-of", type=int, default=None,
+                    help="DPOConfig.pad_to_multiple_of, the trainer's own (default: TRL's, none "
+                         "off Neuron)")
+    ap.add_argument("--attn", default="sdpa", help="the model's attn_implementation")
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-odc", action="store_true",

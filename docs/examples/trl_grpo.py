@@ -70,13 +70,13 @@ SIZES = {  # LlamaConfig arguments
 EOS = 1
 
 
-def build_model(size: str, max_len: int):
+def build_model(size: str, max_len: int, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         **SIZES[size], max_position_embeddings=max(max_len, 64), tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=EOS, eos_token_id=EOS, attn_implementation="sdpa"))
+        pad_token_id=0, bos_token_id=EOS, eos_token_id=EOS, attn_implementation=attn))
 
 
 def build_tokenizer(vocab_size: int):
@@ -141,6 +141,10 @@ def main() -> None:
                     help="default: derived from TRL's own microbatches (no more memory)")
     ap.add_argument("--pad-to-multiple-of", type=int, default=None,
                     help="ODCConfig.pad_to_multiple_of (default: 128 on GPUs; 1: no extra padding)")
+    ap.add_argument("--trl-pad-to-multiple-of", type=int, default=None,
+                    help="GRPOConfig.pad_to_multiple_of, the trainer's own: prompt and completion "
+                         "widths each rounded up to it (default: TRL's, none off Neuron)")
+    ap.add_argument("--attn", default="sdpa", help="the model's attn_implementation")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="each rank packs its own rollouts (no LB-Mini across ranks)")
     ap.add_argument("--plain", action="store_true",
@@ -175,7 +179,7 @@ def main() -> None:
     per_step = args.per_device_batch * args.accumulation * world  # rollouts per step
     prompts = build_prompts(per_step // args.num_generations * args.steps, vocab,
                             args.min_prompt, args.max_prompt)
-    model = build_model(args.size, args.max_prompt + args.max_completion)
+    model = build_model(args.size, args.max_prompt + args.max_completion, args.attn)
     if args.plain and world > 1:
         # transformers' marker of a model it sharded itself: generate() then decodes with
         # synced_gpus (finished ranks keep running forwards until every rank is done).
@@ -189,6 +193,8 @@ def main() -> None:
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         use_cpu=not cuda, bf16=cuda, seed=0, disable_dropout=True, shuffle_dataset=False,
         generation_kwargs={"sequence_bias": {(EOS,): eos_bias(vocab, args.mean_completion)}},
+        **({"pad_to_multiple_of": args.trl_pad_to_multiple_of}
+           if args.trl_pad_to_multiple_of is not None else {}),
         # FSDP2 (with ODC, or plain on GPUs; plain on CPU ranks accelerate would use DDP).
         **({"fsdp": True, "fsdp_config": {"version": 2}} if cuda or not args.plain else {}),
     )
@@ -224,8 +230,12 @@ def main() -> None:
             rebalance=not args.no_rebalance, pad_to_multiple_of=args.pad_to_multiple_of))
 
     log, clock = [], [time.perf_counter(), 0]
+    batches, peak_since = step_probe.BatchProbe(model), step_probe.PeakSince()
 
     class Report(TrainerCallback):
+        def on_train_begin(self, _args, state, control, **kwargs):
+            peak_since.start()  # both variants: the model sharded, before the first step
+
         def on_log(self, _args, state, control, logs=None, **kwargs):
             if logs is None or "loss" not in logs:
                 return
@@ -259,6 +269,7 @@ def main() -> None:
             probe.step(rollout=phases["rollout_jit"],
                        host=trainer.odc_steps[-1].get("host_seconds")
                        if not args.plain and trainer.odc_steps else None)
+            batches.step()
             # From here: a profiled step's summary is not the next step's time.
             clock[0], clock[1] = time.perf_counter(), tokens
             phases["rollout"], phases["rollout_jit"] = 0.0, 0.0
@@ -278,8 +289,17 @@ def main() -> None:
     trainer.remove_callback(PrinterCallback)  # the Report line instead of the raw log dict
     trainer.train()
     peaks = peak_memory_gib(trainer)
-    for entry, probed in zip(log, probe.gather_max()):
-        entry.update(probed)
+    peaks_since = peak_since.gather_gib(trainer)
+    for entry, probed, seen in zip(log, probe.gather_max(), batches.gather()):
+        entry.update(probed, batches=seen)
+    # What reached the trainer: TRL's multiple as trained, ODC's length multiple.
+    odc_multiple = None
+    if not args.plain:
+        odc_multiple = args.pad_to_multiple_of or (trainer.AUTO_MULTIPLE if cuda else 1)
+    config = {"odc": not args.plain, "pad_to_multiple_of": trainer.pad_to_multiple_of,
+              **({"odc_pad_to_multiple_of": odc_multiple, "rebalance": not args.no_rebalance,
+                  "max_tokens_per_microbatch": args.max_tokens_per_microbatch or "derived"}
+                 if not args.plain else {})}
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"
@@ -289,7 +309,8 @@ def main() -> None:
         meta = {"variant": "plain" if args.plain else "odc", "size": args.size, "world": world,
                 "device": device, "torch": torch.__version__, "trl": trl.__version__,
                 "transformers": transformers.__version__, "args": vars(args),
-                "peak_memory_gib": peaks}
+                "peak_memory_gib": peaks, "peak_since_train_begin_gib": peaks_since,
+                "config": config, "attention": step_probe.attention_record(model)}
         with open(os.path.join(args.out, "trl_grpo_log.json"), "w") as f:
             json.dump({"meta": meta, "steps": log}, f, indent=1)
         try:

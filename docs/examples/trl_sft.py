@@ -52,13 +52,13 @@ SIZES = {  # LlamaConfig arguments
 }
 
 
-def build_model(size: str, lora: bool, max_len: int):
+def build_model(size: str, lora: bool, max_len: int, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**SIZES[size], max_position_embeddings=max(max_len, 64),
                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=1, attn_implementation="sdpa")
+                         eos_token_id=1, attn_implementation=attn)
     model = LlamaForCausalLM(config)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -119,6 +119,17 @@ def main() -> None:
     ap.add_argument("--no-odc", action="store_true",
                     help="the unmodified trainer: accelerate's FSDP2 on an NCCL (GPU) or Gloo "
                          "(CPU: accelerate then uses DDP) process group")
+    ap.add_argument("--pad-to-multiple-of", type=int, default=None,
+                    help="ODCConfig.pad_to_multiple_of (default None: 64 on GPUs unless "
+                         "padding-free; 1: no extra padding)")
+    ap.add_argument("--trl-pad-to-multiple-of", type=int, default=None,
+                    help="SFTConfig.pad_to_multiple_of, the trainer's own (default: TRL's, none "
+                         "off Neuron)")
+    ap.add_argument("--padding-free", action="store_true",
+                    help="SFTConfig.padding_free=True: a microbatch's rows concatenated into one "
+                         "with position_ids (ODC plans it so too)")
+    ap.add_argument("--attn", default="sdpa",
+                    help="the model's attn_implementation (sdpa, eager, flex_attention, ...)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=None, help="directory for the JSON log and the loss PNG")
     step_probe.add_arguments(ap)
@@ -138,7 +149,7 @@ def main() -> None:
     vocab = SIZES[args.size]["vocab_size"]
     per_step = args.per_device_batch * args.accumulation * world
     data = build_data(per_step * args.steps, vocab, args.min_len, args.max_len)
-    model = build_model(args.size, args.lora, args.max_len)
+    model = build_model(args.size, args.lora, args.max_len, args.attn)
     common = {
         "output_dir": tempfile.mkdtemp(prefix="odc-trl-sft-"), "max_steps": args.steps,
         "per_device_train_batch_size": args.per_device_batch,
@@ -148,8 +159,8 @@ def main() -> None:
         "bf16": cuda, "fsdp": True, "fsdp_config": {"version": 2}, "seed": 0,
         "train_sampling_strategy": "sequential",  # both modes see the same sequences per step
     }
-    odc = {"odc": ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch)} \
-        if use_odc else {}
+    odc = {"odc": ODCConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                            pad_to_multiple_of=args.pad_to_multiple_of)} if use_odc else {}
     wrap = odc_trainer if use_odc else (lambda cls: cls)
     # Sequences longer than the cap run alone in a microbatch: expected here, not worth a warning.
     warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
@@ -160,17 +171,25 @@ def main() -> None:
         trainer = wrap(SFTTrainer)(
             model=model, processing_class=build_tokenizer(vocab),
             train_dataset=datasets.Dataset.from_list(data),
-            args=SFTConfig(**common, max_length=None,
+            args=SFTConfig(**common, max_length=None, padding_free=args.padding_free,
+                           **({"pad_to_multiple_of": args.trl_pad_to_multiple_of}
+                              if args.trl_pad_to_multiple_of is not None else {}),
                            dataset_kwargs={"skip_prepare_dataset": True}),
             **odc)
     else:
+        if args.padding_free or args.trl_pad_to_multiple_of is not None:
+            raise SystemExit("--padding-free and --trl-pad-to-multiple-of are SFTTrainer's")
         trainer = wrap(Trainer)(model=model, args=TrainingArguments(**common),
                                 train_dataset=data, data_collator=collate, **odc)
 
     log, clock = [], [None]
     probe = step_probe.StepProbe(args.profile_steps, trace_dir=args.profile_trace)
+    batches, peak_since = step_probe.BatchProbe(model), step_probe.PeakSince()
 
     class Report(TrainerCallback):
+        def on_train_begin(self, _args, state, control, **kwargs):
+            peak_since.start()  # both variants: the model sharded, before the first step
+
         def on_step_begin(self, _args, state, control, **kwargs):
             if clock[0] is None:
                 clock[0] = time.perf_counter()
@@ -194,6 +213,7 @@ def main() -> None:
                                                      "slope_bytes_per_token", "margin_bytes",
                                                      "points") if k in record})
             probe.step(host=trainer.odc_steps[-1].get("host_seconds") if use_odc else None)
+            batches.step()
             clock[0] = time.perf_counter()  # a profiled step's summary is not the next step's
             log.append(entry)
             if rank == 0:
@@ -205,14 +225,28 @@ def main() -> None:
     trainer.add_callback(Report())
     trainer.train()
     peaks = peak_memory_gib(trainer)
-    for entry, probed in zip(log, probe.gather_max()):
-        entry.update(probed)
+    peaks_since = peak_since.gather_gib(trainer)
+    for entry, probed, seen in zip(log, probe.gather_max(), batches.gather()):
+        entry.update(probed, batches=seen)
+    collator = trainer.data_collator
+    # What reached the trainer: its arguments and collator as trained, ODC's multiple.
+    config = {"odc": use_odc, "trainer": args.trainer,
+              "pad_to_multiple_of": getattr(trainer.args, "pad_to_multiple_of", None),
+              "padding_free": bool(getattr(trainer.args, "padding_free", False)),
+              "collator": type(collator).__name__,
+              "collator_pad_to_multiple_of": getattr(collator, "pad_to_multiple_of", None),
+              "collator_padding_free": getattr(collator, "padding_free", None),
+              **({"odc_pad_to_multiple_of": getattr(trainer, "_odc_multiple", None),
+                  "max_tokens_per_microbatch": args.max_tokens_per_microbatch or "derived"}
+                 if use_odc else {})}
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         device = torch.cuda.get_device_name() if cuda else "cpu"
         meta = {"trainer": args.trainer, "size": args.size, "lora": args.lora, "world": world,
                 "device": device, "torch": torch.__version__, "args": vars(args),
-                "variant": "odc" if use_odc else "plain", "peak_memory_gib": peaks}
+                "variant": "odc" if use_odc else "plain", "peak_memory_gib": peaks,
+                "peak_since_train_begin_gib": peaks_since, "config": config,
+                "attention": step_probe.attention_record(model)}
         with open(os.path.join(args.out, "trl_sft_log.json"), "w") as f:
             json.dump({"meta": meta, "steps": log}, f, indent=1)
         try:

@@ -20,7 +20,15 @@ puts the top ops of those steps (torch.profiler, every rank) into their records
 left out of the rates (the first ones compile kernels and grow the allocator; ODC's first step
 measures the marginal peak bytes per token at half the derived cap).
 
-Both variants run the example with the same arguments: ``odc`` with ``odc_trainer(...)`` on the
+Variants (docs/benchmarks.md, "The trainers"): ``odc``, ``plain`` (the trainer's defaults) and
+``plain-tuned`` (the trainer's own ``pad_to_multiple_of`` at ODC's multiple, ``--pad-multiple``)
+by default; SFT also ``odc-padfree`` / ``plain-padfree`` (``padding_free=True``). A row's
+headline is the faster ODC variant against the faster baseline of the call; ``--nproc 1
+--same-data-as N`` is the plan on one rank on an N-rank row's data, and ``decompose`` splits a
+multi-rank row's speed-up with it; ``--note`` / ``--commit-note`` / ``--device-command`` go
+into the record (and ``pool``'s).
+
+All variants run the example with the same arguments: ``odc`` with ``odc_trainer(...)`` on the
 "odc" group and no ``max_tokens_per_microbatch`` (the derived cap: no ODC microbatch holds more
 padded tokens than the largest one the unmodified trainer runs in the same step, less ODC's
 shard cache); ``plain`` the unmodified trainer on an NCCL group, FSDP2 as accelerate sets it up
@@ -174,6 +182,66 @@ def fixed_cost_bound(odc_steps: list[dict], plain_steps: list[dict]) -> dict | N
             "bound": line(xs_plain) / line(xs_odc)}
 
 
+# In a variant's arguments: PAD becomes the tuned multiple (--pad-multiple, default ODC's own,
+# ``odc_multiple``); ODC_PAD becomes ``--pad-to-multiple-of M`` where --pad-multiple was given
+# (ODC at the same explicit multiple), else nothing (ODC's default).
+PAD, ODC_PAD = "{pad}", "{odc_pad}"
+# The sides of a row's headline: the faster ODC variant of these against the faster baseline.
+ODC_SIDES = ("odc", "odc-padfree")
+BASELINES = ("plain", "plain-tuned", "plain-padfree")
+# What each variant sets, for the record (the example's meta["config"] is what reached it).
+VARIANT_SETS = {
+    "odc": "odc_trainer(...), the derived cap, ODCConfig.pad_to_multiple_of as --pad-multiple "
+           "(default None: ODC's own derivation)",
+    "plain": "the unmodified trainer with its defaults (pad_to_multiple_of None, padded rows)",
+    "plain-tuned": "the unmodified trainer with pad_to_multiple_of={pad} (ODC's multiple)",
+    "odc-padfree": "odc_trainer(...) with padding_free=True (ODC's multiple 1: rows concatenated)",
+    "plain-padfree": "the unmodified trainer with padding_free=True",
+    "odc-local": "odc_trainer(...) without moving rollouts between ranks",
+    "odc-nopad": "odc_trainer(...) with ODCConfig.pad_to_multiple_of=1",
+}
+
+
+def odc_multiple(mode: str, cpu: bool) -> int:
+    """ODC's own padding multiple where ``ODCConfig.pad_to_multiple_of`` is None: off CUDA 1;
+    on CUDA ``ODCConfig.AUTO_PAD_MULTIPLE`` (64) for SFT and DPO, the GRPO adapter's
+    ``AUTO_MULTIPLE`` (128) for GRPO (torch_odc.integrations.hf)."""
+    if cpu:
+        return 1
+    if mode == "grpo":
+        from torch_odc.integrations.hf.grpo import ODCGRPOTrainerMixin
+
+        return ODCGRPOTrainerMixin.AUTO_MULTIPLE
+    from torch_odc.integrations.hf._config import ODCConfig
+
+    return ODCConfig.AUTO_PAD_MULTIPLE
+
+
+def expand_args(args: list[str], multiple: int, explicit: bool) -> list[str]:
+    """A variant's arguments with PAD and ODC_PAD filled in (see there)."""
+    out = []
+    for a in args:
+        if a == ODC_PAD:
+            out += ["--pad-to-multiple-of", str(multiple)] if explicit else []
+        else:
+            out.append(a.replace(PAD, str(multiple)))
+    return out
+
+
+def headline(rates: dict, key: str) -> dict | None:
+    """The row's comparison: the faster of the ODC variants measured (``ODC_SIDES``) against
+    the faster of the baselines measured (``BASELINES``), and the ODC variant against each
+    baseline. None without one of each."""
+    odcs = [v for v in ODC_SIDES if v in rates]
+    bases = [v for v in BASELINES if v in rates]
+    if not odcs or not bases:
+        return None
+    odc = max(odcs, key=lambda v: rates[v][key])
+    base = max(bases, key=lambda v: rates[v][key])
+    return {"odc_variant": odc, "baseline": base, "speedup": rates[odc][key] / rates[base][key],
+            "speedup_vs": {b: rates[odc][key] / rates[b][key] for b in bases}}
+
+
 SFT_GPU = ["--size", "1b", "--steps", "14", "--per-device-batch", "2", "--accumulation", "4",
            "--min-len", "128", "--max-len", "8192"]
 MODES: dict[str, Mode] = {
@@ -181,7 +249,12 @@ MODES: dict[str, Mode] = {
         example="docs/examples/trl_sft.py", log_name="trl_sft_log.json", gpu_args=SFT_GPU,
         cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
                   "--accumulation", "2", "--min-len", "16", "--max-len", "512"],
-        variants={"odc": [], "plain": ["--no-odc"]}, unit="sequences"),
+        variants={"odc": [ODC_PAD], "plain": ["--no-odc"],
+                  "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD],
+                  # padding-free (SFTConfig.padding_free): rows concatenated, position_ids
+                  "odc-padfree": ["--padding-free"],
+                  "plain-padfree": ["--no-odc", "--padding-free"]},
+        unit="sequences", default_variants=("odc", "plain", "plain-tuned")),
     "dpo": Mode(
         example="docs/examples/trl_dpo.py", log_name="trl_dpo_log.json",
         gpu_args=["--size", "1b", "--steps", "14", "--per-device-batch", "2",
@@ -189,7 +262,9 @@ MODES: dict[str, Mode] = {
                   "--min-completion", "16", "--max-completion", "2048"],
         cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
                   "--accumulation", "2", "--max-prompt", "128", "--max-completion", "128"],
-        variants={"odc": [], "plain": ["--no-odc"]}, unit="pairs"),
+        variants={"odc": [ODC_PAD], "plain": ["--no-odc"],
+                  "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD]},
+        unit="pairs", default_variants=("odc", "plain", "plain-tuned")),
     "grpo": Mode(
         example="docs/examples/trl_grpo.py", log_name="trl_grpo_log.json",
         gpu_args=["--size", "1b", "--steps", "12", "--per-device-batch", "8",
@@ -201,9 +276,13 @@ MODES: dict[str, Mode] = {
                   "--max-completion", "32", "--mean-completion", "12"],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
         # odc-nopad: ODC without its default length padding (128 on GPUs; docs/integrations.md).
-        variants={"odc": [], "plain": ["--plain"], "odc-local": ["--no-rebalance"],
+        # plain-tuned: GRPOConfig.pad_to_multiple_of, which rounds the prompt and the completion
+        # widths each (ODC makes their sum the multiple, by more left padding).
+        variants={"odc": [ODC_PAD], "plain": ["--plain"],
+                  "plain-tuned": ["--plain", "--trl-pad-to-multiple-of", PAD],
+                  "odc-local": ["--no-rebalance", ODC_PAD],
                   "odc-nopad": ["--pad-to-multiple-of", "1"]},
-        unit="rollouts", warmup=2),
+        unit="rollouts", warmup=2, default_variants=("odc", "plain", "plain-tuned")),
     # verl's actor update (TrainingWorker.train_mini_batch, ppo_loss, dynamic batch size):
     # verl's fsdp2 engine on verl's equal-count dispatch vs the odc engine with LB-Mini over the
     # ranks; long-tailed (log-normal) response lengths.
@@ -286,12 +365,13 @@ def _commit() -> str | None:
 
 
 def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: bool,
-                workdir: str, log) -> tuple[dict, list[str]]:
+                workdir: str, log, multiple: int = 1,
+                explicit: bool = False) -> tuple[dict, list[str]]:
     out = os.path.join(workdir, variant)
     cmd = [_python(mode), "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(ROOT, mode.example),
-           *(mode.cpu_args if cpu else mode.gpu_args), *extra, *mode.variants[variant],
-           "--out", out]
+           *(mode.cpu_args if cpu else mode.gpu_args), *extra,
+           *expand_args(mode.variants[variant], multiple, explicit), "--out", out]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -324,7 +404,21 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
 
 
 def _peak(result: dict) -> list:
-    return result.get("meta", {}).get("peak_memory_gib") or []
+    """A run's peak per rank: since the Trainer's train begin, across every reset of the
+    allocator's statistics, plus what ODC held (``peak_since_train_begin_gib``, the same point
+    on both variants; docs/examples/_step_probe.py PeakSince), else (records from before it,
+    verl) the adapter's phase-wise figure."""
+    meta = result.get("meta", {})
+    since = meta.get("peak_since_train_begin_gib")
+    if since and any(p is not None for p in since):
+        return since
+    return meta.get("peak_memory_gib") or []
+
+
+def _peak_basis(result: dict) -> str:
+    since = result.get("meta", {}).get("peak_since_train_begin_gib")
+    return ("since train begin, every reset folded in, plus ODC's held bytes"
+            if since and any(p is not None for p in since) else "peak_memory_gib")
 
 
 def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
@@ -336,7 +430,8 @@ def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
     except ImportError:
         return
     variants = list(summary)
-    colors = ["tab:blue", "tab:gray", "tab:green"][:len(variants)]
+    palette = ["tab:blue", "tab:gray", "tab:green", "tab:red", "tab:olive", "tab:cyan"]
+    colors = [palette[i % len(palette)] for i in range(len(variants))]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     key = ("update_tokens_per_s_per_gpu" if "update_tokens_per_s_per_gpu" in summary[variants[0]]
            else "tokens_per_s_per_gpu")
@@ -396,8 +491,45 @@ def _max_peaks(a: list | None, b: list) -> list:
             for pair in itertools.zip_longest(a, b)]
 
 
+def _variant_configs(mode: Mode, results: dict, multiple: int, explicit: bool) -> dict:
+    """Per variant (its first run): what it sets (``VARIANT_SETS``), its arguments as the
+    example got them, what reached the trainer (the example's ``meta["config"]``: the
+    trainer's pad_to_multiple_of and padding_free as trained, its collator's, ODC's multiple)
+    and the attention kernel (``meta["attention"]``, with the masks the first attention layer
+    got over the run: ``none``, ``dense <dtype>`` or ``BlockMask``)."""
+    out = {}
+    for name, result in results.items():
+        variant = name.split("@")[0]
+        if variant in out or variant not in mode.variants:
+            continue
+        meta = result.get("meta", {})
+        masks = sorted({k for st in result.get("steps", [])
+                        for k in st.get("batches", {}).get("attention_masks", [])})
+        out[variant] = {"sets": VARIANT_SETS.get(variant, variant).replace(PAD, str(multiple)),
+                        "args": expand_args(mode.variants[variant], multiple, explicit),
+                        **({"reached": meta["config"]} if "config" in meta else {}),
+                        **({"attention": {**meta["attention"], "masks": masks}}
+                           if "attention" in meta else {})}
+    return out
+
+
+def _attention(configs: dict) -> dict | None:
+    """The attention kernel of a row: the implementation if every variant ran the same one
+    (``same``), each variant's masks."""
+    kinds = {v: c["attention"] for v, c in configs.items() if "attention" in c}
+    if not kinds:
+        return None
+    impls = {k.get("implementation") for k in kinds.values()}
+    backends = {tuple(k.get("sdpa_backends_enabled", ())) for k in kinds.values()}
+    return {"implementation": "/".join(sorted(map(str, impls))),
+            "same": len(impls) == 1 and len(backends) == 1,
+            **({"sdpa_backends_enabled": list(next(iter(backends)))}
+               if len(backends) == 1 and next(iter(backends)) else {}),
+            "masks": {v: k.get("masks", []) for v, k in kinds.items()}}
+
+
 def _record(args, hardware, commit, warmup, commands, summary, results, partial,
-            rounds) -> dict:
+            rounds, configs=None) -> dict:
     versions = _versions()
     for result in results.values():  # what the example's own interpreter ran (verl's venv)
         versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
@@ -406,7 +538,15 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
               "kind": args.kind, "nproc": args.nproc, "versions": versions, "commit": commit,
               "warmup_steps": warmup,
               "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
-              "summary": summary, "runs": results}
+              **_notes(args), "summary": summary, "runs": results}
+    if getattr(args, "data_ranks", None):
+        record["data_ranks"] = args.data_ranks
+    if configs is not None:
+        record["pad_multiple"] = args.pad_multiple
+        record["variant_configs"] = configs
+        attention = _attention(configs)
+        if attention:
+            record["attention"] = attention
     if args.repeats > 1:
         # Each round's order and its own figures; "summary" pools the rounds' steps, "runs"
         # holds every run ("odc", "plain", then "odc@2", "plain@2", ...).
@@ -416,64 +556,106 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
     return record
 
 
+def _notes(args) -> dict:
+    """The record's words from the command line: ``--commit-note`` (the tree and the call),
+    ``--device-command`` (the device call that ran it), ``--note`` (also the row's)."""
+    return {k: getattr(args, k) for k in ("note", "commit_note", "device_command")
+            if getattr(args, k, None)}
+
+
 def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warmup: int,
-            summary: dict, peaks: dict, pooled: dict, rounds: list, record) -> None:
+            summary: dict, peaks: dict, pooled: dict, rounds: list, record,
+            configs: dict | None = None, row_extra: dict | None = None) -> None:
     """The PNG, the table, the fixed-cost bound and the trainers row of a finished run (or of
     pooled runs); ``record()`` gives the JSON record to rewrite with the fixed-cost bound."""
     key = _rate_key(args.mode)
+    configs = configs or {}
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
     plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
-         f"{label}: ODC vs plain, {args.nproc} ranks on {hardware} "
+         f"{label}: {', '.join(summary)}, {args.nproc} ranks on {hardware} "
          f"({(commit if '+' in commit else commit[:7]) if commit else '?'}"
          f"{f'; {args.repeats} rounds pooled' if args.repeats > 1 else ''})")
     unit = mode.unit
     print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
-    print(f"{'variant':10s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
+    print(f"{'variant':14s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
           f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
     for variant, s in summary.items():
         peak = max((p for p in peaks[variant] if p is not None), default=float("nan"))
-        print(f"{variant:10s} {s[f'{unit}_per_s_per_gpu']:16.3f} {s['tokens_per_s_per_gpu']:14.1f} "
-              f"{s['seconds_per_step']:8.3f} {s.get('update_tokens_per_s_per_gpu', 0):13.1f} "
-              f"{peak:9.2f} {s.get('bound') or 0:6.3f}")
-    if "odc" in summary and "plain" in summary:
-        odc, plain = summary["odc"], summary["plain"]
-        ratio = odc[key] / plain[key]
-        each = [r["speedup"] for r in rounds if "speedup" in r]
-        print(f"odc / plain {key}: {ratio:.3f}" + (
-            f" (every round's measured steps pooled; the rounds alone: "
-            f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
+        print(f"{variant:14s} {s[f'{unit}_per_s_per_gpu']:16.3f} "
+              f"{s['tokens_per_s_per_gpu']:14.1f} {s['seconds_per_step']:8.3f} "
+              f"{s.get('update_tokens_per_s_per_gpu', 0):13.1f} {peak:9.2f} "
+              f"{s.get('bound') or 0:6.3f}")
+    head = headline(summary, key)
+    if head is None:
+        return
+    odc_v, base_v, ratio = head["odc_variant"], head["baseline"], head["speedup"]
+    odc, base = summary[odc_v], summary[base_v]
+    each = [r["speedup"] for r in rounds if "speedup" in r]
+    print(f"{odc_v} / {base_v} (the faster baseline) {key}: {ratio:.3f}" + (
+        f" (every round's measured steps pooled; the rounds alone: "
+        f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
+    for b, x in head["speedup_vs"].items():
+        print(f"   {odc_v} / {b}: {x:.3f}")
+    fixed = None
+    if "odc" in pooled and "plain" in pooled and pooled["odc"] and pooled["plain"]:
         fixed = fixed_cost_bound(pooled["odc"], pooled["plain"])
-        if fixed:
-            odc["fixed_cost_bound"] = fixed
-            with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
-                json.dump(record(), f, indent=1)
-            print(f"seconds = {fixed['fixed_seconds']:.3f} + "
-                  f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
-                  f"slowest rank (both variants, r2 {fixed['r2']:.3f}): bound with the fixed "
-                  f"part {fixed['bound']:.3f}, reached {ratio / fixed['bound']:.1%}")
-        if f"steady_{key}" in odc and f"steady_{key}" in plain:
-            print(f"without Triton compilation (odc {odc['jit_seconds']:.1f} s, plain "
-                  f"{plain['jit_seconds']:.1f} s in the measured steps): "
-                  f"{odc[f'steady_{key}'] / plain[f'steady_{key}']:.3f}")
-        if args.summary:
-            def peak_of(v):
-                return max((p for p in peaks[v] if p is not None), default=None)
+    if fixed:
+        summary["odc"]["fixed_cost_bound"] = fixed
+        with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+            json.dump(record(), f, indent=1)
+        print(f"odc vs plain: seconds = {fixed['fixed_seconds']:.3f} + "
+              f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
+              f"slowest rank (r2 {fixed['r2']:.3f}): bound with the fixed part "
+              f"{fixed['bound']:.3f}")
+    steady = f"steady_{key}" in odc and f"steady_{key}" in base
+    if steady:
+        print(f"without Triton compilation ({odc_v} {odc['jit_seconds']:.1f} s, {base_v} "
+              f"{base['jit_seconds']:.1f} s in the measured steps): "
+              f"{odc[f'steady_{key}'] / base[f'steady_{key}']:.3f}")
+    if not args.summary:
+        return
 
-            update_summary(args.summary, {
-                "trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
-                "model": model, "commit": commit, "odc_tokens_per_s_per_gpu": odc[key],
-                "base_tokens_per_s_per_gpu": plain[key], "speedup": ratio,
-                "odc_peak_gib": peak_of("odc"), "base_peak_gib": peak_of("plain"),
-                "bound": odc.get("bound"), "metric": key,
-                **({"bound_with_fixed_cost": fixed["bound"],
-                    "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
-                "step_speedup": plain["seconds_per_step"] / odc["seconds_per_step"],
-                **({"steady_speedup": odc[f"steady_{key}"] / plain[f"steady_{key}"],
-                    "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": plain["jit_seconds"]}
-                   if f"steady_{key}" in odc and f"steady_{key}" in plain else {}),
-                **({"repeats": args.repeats, "speedup_of_each_round": each}
-                   if args.repeats > 1 else {}),
-                "result": f"{stem}.json"})
+    def peak_of(v):
+        return max((p for p in peaks[v] if p is not None), default=None)
+
+    row = {"trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
+           "model": model, "commit": commit, "metric": key,
+           "odc_variant": odc_v, "baseline": base_v,
+           "odc_tokens_per_s_per_gpu": odc[key], "base_tokens_per_s_per_gpu": base[key],
+           "speedup": ratio, "odc_peak_gib": peak_of(odc_v), "base_peak_gib": peak_of(base_v),
+           "baselines": {b: {"tokens_per_s_per_gpu": summary[b][key], "peak_gib": peak_of(b),
+                             "speedup": x, **({"sets": configs[b]["sets"],
+                                               "args": configs[b]["args"]}
+                                              if b in configs else {})}
+                         for b, x in head["speedup_vs"].items()},
+           **({"speedup_vs_defaults": head["speedup_vs"]["plain"]}
+              if "plain" in head["speedup_vs"] else {}),
+           "bound": odc.get("bound"),
+           **({"bound_with_fixed_cost": fixed["bound"],
+               "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
+           "step_speedup": base["seconds_per_step"] / odc["seconds_per_step"],
+           **({"steady_speedup": odc[f"steady_{key}"] / base[f"steady_{key}"],
+               "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": base["jit_seconds"]}
+              if steady else {}),
+           **({"repeats": args.repeats, "speedup_of_each_round": each}
+              if args.repeats > 1 else {}),
+           "result": f"{stem}.json"}
+    if "peak_basis" in odc:
+        row["peak_basis"] = odc["peak_basis"]
+    attention = _attention(configs)
+    if attention:
+        row["attention"] = attention["implementation"] + ("" if attention["same"]
+                                                           else " (differs by variant)")
+    if getattr(args, "data_ranks", None):
+        row["data_ranks"] = args.data_ranks
+    if args.nproc == 1:
+        # (a) of the decomposition: the plan on one rank, nothing to communicate.
+        row["decomposition"] = {"plan_one_rank": head["speedup_vs"],
+                                "bound_one_rank": odc.get("bound")}
+    row.update(row_extra or {})
+    if getattr(args, "note", None) and "pooled" not in row:  # a pooled row has it there
+        row["note"] = args.note
+    update_summary(args.summary, row)
 
 
 def _model(mode: Mode, extra: list[str], cpu: bool) -> str:
@@ -483,15 +665,42 @@ def _model(mode: Mode, extra: list[str], cpu: bool) -> str:
     return sizes[-1] if sizes else "?"
 
 
+def _last_value(argv: list[str], flag: str) -> str | None:
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    return values[-1] if values else None
+
+
+def _add_note_arguments(ap) -> None:
+    ap.add_argument("--note", default=None,
+                    help="words for the record and the trainers row (what the run is)")
+    ap.add_argument("--commit-note", default=None,
+                    help="the tree, machine and day of the call, for the record")
+    ap.add_argument("--device-command", default=None,
+                    help="the device call that ran it, for the record")
+
+
+def _spread(values: list[float]) -> dict:
+    import statistics
+
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
 def pool_main(argv: list[str]) -> None:
     """``pool RECORD.json ...``: one row from the measured steps of several records of the same
     trainer, ranks and arguments (runs of separate calls, e.g. a 3B GRPO row whose round takes
-    most of a device call), as --repeats pools the rounds of one call."""
+    most of a device call), as --repeats pools the rounds of one call. The row's ``pooled``
+    block (the records, each one's own speed-up, the seconds per step of both sides, --note)
+    and the pooled record's notes are written from the arguments."""
     ap = argparse.ArgumentParser(prog="bench_trl.py pool", description=pool_main.__doc__)
     ap.add_argument("records", nargs="+", help="bench_trl JSON records to pool")
     ap.add_argument("--out", required=True, help="directory for the pooled JSON and PNG")
     ap.add_argument("--summary", default=None, help="trainers.json to update with the row")
     ap.add_argument("--kind", default=None, help="machine kind (default: the records')")
+    ap.add_argument("--stem", default=None,
+                    help="file name of the pooled JSON and PNG, without extension (default "
+                         "bench_trl_MODE_Ngpu_pooled)")
+    _add_note_arguments(ap)
     args = ap.parse_args(argv)
     records = []
     for path in args.records:
@@ -520,17 +729,30 @@ def pool_main(argv: list[str]) -> None:
             peaks[variant] = _max_peaks(peaks.get(variant), _peak(run))
             worlds[variant] = run["meta"]["world"]
         # A record of one round has no "rounds": its own speed-up stands for it.
-        own = r["summary"]
+        own = headline(r["summary"], rate)
         rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
-            {"speedup": own["odc"][rate] / own["plain"][rate]}
-            if {"odc", "plain"} <= set(own) else {})}]
+            {"speedup": own["speedup"]} if own else {})}]
     args.repeats = len(rounds)  # a record of --repeats N brings its N rounds
     for variant, steps in pooled.items():
         summary[variant] = _rates(steps, worlds[variant], mode.unit)
         summary[variant]["peak_memory_gib"] = peaks[variant]
     commits = list(dict.fromkeys(str(r.get("commit")) for r in records))
     commit = "+".join(c[:7] for c in commits)
-    stem = f"bench_trl_{args.mode}_{args.nproc}gpu_pooled"
+    stem = args.stem or f"bench_trl_{args.mode}_{args.nproc}gpu_pooled"
+    configs = {}
+    for r in records:
+        for v, c in (r.get("variant_configs") or {}).items():
+            configs.setdefault(v, c)
+    head = headline(summary, rate)
+    block = {"runs": [os.path.basename(p) for p in args.records],
+             **({"note": args.note} if args.note else {}),
+             "steps_per_variant": {v: len(st) for v, st in pooled.items()},
+             "speedup_of_each_run": [x.get("speedup") for x in rounds]}
+    if head:
+        block["seconds_per_step"] = {
+            v: _spread([s["seconds"] - s.get("rollout_seconds", 0.0) if args.mode == "grpo"
+                        else s["seconds"] for s in pooled[v]])
+            for v in (head["odc_variant"], head["baseline"])}
     os.makedirs(args.out, exist_ok=True)
 
     def record() -> dict:
@@ -539,20 +761,97 @@ def pool_main(argv: list[str]) -> None:
                 "kind": args.kind, "nproc": args.nproc, "versions": first["versions"],
                 "commit": commit,
                 "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
-                "pooled_from": [os.path.basename(p) for p in args.records],
-                "commits": commits, "repeats": args.repeats, "rounds": rounds,
+                **_notes(args), "pooled_from": [os.path.basename(p) for p in args.records],
+                "pooled": block, "commits": commits, "repeats": args.repeats,
+                "rounds": rounds, **({"variant_configs": configs} if configs else {}),
                 "summary": summary}
 
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(record(), f, indent=1)
     _finish(args, mode, stem, first["hardware"], commit,
             str(first["runs"]["odc"]["meta"].get("size")), warmup, summary, peaks, pooled,
-            rounds, record)
+            rounds, record, configs, row_extra={"pooled": block})
+
+
+def decompose(one: dict, multi: dict, key: str) -> dict:
+    """The decomposition of a multi-rank row (issue 63): (a) ``plan_one_rank``, the ODC
+    variant's speed-up against each baseline with one rank on the same data (each step the
+    multi-rank step's rows: ``--same-data-as``), nothing to communicate; ``bound_one_rank``,
+    the padded-token ratio of that one-rank plan (the padding the plan saves); (b) ``bound``,
+    the planner's bound across the ranks as the multi-rank record has it, and
+    ``balance_bound`` = bound / bound_one_rank, what balancing across ranks adds to the
+    one-rank plan's padding; (c) ``measured``, the multi-rank speed-up against each baseline
+    both records have; ``remainder`` = c / (a x balance_bound): the single sync and the
+    transport (the one-rank plan's padding counted once), and ``remainder_whole_bound`` =
+    c / (a x bound) as the issue writes it (which counts that padding in a and in b)."""
+    head1, headn = headline(one["summary"], key), headline(multi["summary"], key)
+    if head1 is None or headn is None:
+        raise SystemExit("decompose: each record needs an ODC variant and a baseline")
+    steps1 = [s["tokens"] for s in one["runs"][head1["odc_variant"]]["steps"]]
+    stepsn = [s["tokens"] for s in multi["runs"][headn["odc_variant"]]["steps"]]
+    n = min(len(steps1), len(stepsn))
+    if n == 0 or steps1[:n] != stepsn[:n]:
+        raise SystemExit("decompose: the records' steps hold different tokens (run the "
+                         "one-rank record with --same-data-as the multi-rank ranks)")
+    b1 = one["summary"][head1["odc_variant"]].get("bound")
+    bn = multi["summary"][headn["odc_variant"]].get("bound")
+    balance = bn / b1 if bn and b1 else None
+    out = {"odc_variant": {"one_rank": head1["odc_variant"], "multi_rank": headn["odc_variant"]},
+           "bound_one_rank": b1, "bound": bn, "balance_bound": balance,
+           "steps_compared": n, "by_baseline": {}}
+    for b, a in head1["speedup_vs"].items():
+        entry = {"plan_one_rank": a}
+        c = headn["speedup_vs"].get(b)
+        if c is not None:
+            entry["measured"] = c
+            if balance:
+                entry["remainder"] = c / (a * balance)
+            if bn:
+                entry["remainder_whole_bound"] = c / (a * bn)
+        out["by_baseline"][b] = entry
+    return out
+
+
+def decompose_main(argv: list[str]) -> None:
+    """``decompose ONE_RANK.json MULTI_RANK.json``: the multi-rank row's ``decomposition``
+    (see :func:`decompose`), printed, and written into that row of --summary."""
+    ap = argparse.ArgumentParser(prog="bench_trl.py decompose", description=decompose_main.__doc__)
+    ap.add_argument("one_rank")
+    ap.add_argument("multi_rank")
+    ap.add_argument("--summary", default=None, help="trainers.json holding the multi-rank row")
+    ap.add_argument("--kind", default=None, help="the multi-rank row's machine kind (default: "
+                    "its record's)")
+    args = ap.parse_args(argv)
+    with open(args.one_rank) as f:
+        one = json.load(f)
+    with open(args.multi_rank) as f:
+        multi = json.load(f)
+    if one["mode"] != multi["mode"] or one["nproc"] != 1:
+        raise SystemExit("decompose: a one-rank record and a multi-rank record of one trainer")
+    out = decompose(one, multi, _rate_key(one["mode"]))
+    out.update(one_rank=os.path.basename(args.one_rank),
+               multi_rank=os.path.basename(args.multi_rank),
+               one_rank_kind=one.get("kind"), one_rank_commit=one.get("commit"))
+    print(json.dumps(out, indent=1))
+    if args.summary:
+        with open(args.summary) as f:
+            rows = json.load(f)["rows"]
+        size = str(multi["runs"][next(iter(multi["runs"]))]["meta"].get("size"))
+        key = (multi["mode"], multi["nproc"], args.kind or multi.get("kind"), size)
+        hit = [r for r in rows if _row_key(r) == key]
+        if not hit:
+            raise SystemExit(f"decompose: no row {key} in {args.summary}")
+        hit[0]["decomposition"] = out
+        with open(args.summary, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
 
 
 def main() -> None:
     if sys.argv[1:2] == ["pool"]:
         pool_main(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["decompose"]:
+        decompose_main(sys.argv[2:])
         return
     argv = sys.argv[1:]
     extra = []
@@ -562,21 +861,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=sorted(MODES))
     ap.add_argument("--out", required=True, help="directory for the JSON, PNG and log")
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs); 1: the plan on one rank")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps left out of the rates (default: the mode's on GPUs, 1 on CPU)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated variants (default: odc,plain; grpo also has "
-                         "odc-local, ODC without moving rollouts)")
+                    help="comma-separated variants (default: odc,plain,plain-tuned; verl "
+                         "odc,plain; sft also odc-padfree, plain-padfree; grpo odc-local, "
+                         "odc-nopad)")
+    ap.add_argument("--pad-multiple", type=int, default=None,
+                    help="plain-tuned's pad_to_multiple_of, and ODC's when given (default: "
+                         "ODC's own, 64 for SFT/DPO and 128 for GRPO on GPUs, 1 on CPU, which "
+                         "ODC then keeps as its default)")
+    ap.add_argument("--same-data-as", type=int, default=None, metavar="N",
+                    help="each step holds the rows of an N-rank step (the example's "
+                         "--accumulation times N / --nproc): with --nproc 1, the plan on one "
+                         "rank on the data of the N-rank row (bench_trl.py decompose)")
     ap.add_argument("--summary", default=None,
-                    help="trainers.json to update with this run's row (odc and plain needed)")
+                    help="trainers.json to update with this run's row (an ODC variant and a "
+                         "baseline needed)")
     ap.add_argument("--kind", default=os.environ.get("ODC_DEVICE_KIND"),
                     help="machine kind recorded in the summary row (default $ODC_DEVICE_KIND)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of runs, the variants' order reversed every other round "
                          "(odc,plain then plain,odc); the rates pool every round's measured "
                          "steps (default 1)")
+    _add_note_arguments(ap)
     args = ap.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
@@ -585,6 +895,21 @@ def main() -> None:
     unknown = [v for v in variants if v not in mode.variants]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; {args.mode} has {list(mode.variants)}")
+    explicit = args.pad_multiple is not None
+    if args.mode != "verl":
+        args.pad_multiple = (args.pad_multiple if explicit
+                             else odc_multiple(args.mode, args.cpu))
+    args.data_ranks = None
+    if args.same_data_as:
+        if args.mode == "verl":
+            raise SystemExit("--same-data-as: the TRL modes (the example's --accumulation)")
+        acc = int(_last_value([*(mode.cpu_args if args.cpu else mode.gpu_args), *extra],
+                              "--accumulation") or 1)
+        if acc * args.same_data_as % args.nproc:
+            raise SystemExit(f"--same-data-as {args.same_data_as}: accumulation {acc} x "
+                             f"{args.same_data_as} is not a multiple of --nproc {args.nproc}")
+        extra = [*extra, "--accumulation", str(acc * args.same_data_as // args.nproc)]
+        args.data_ranks = args.same_data_as
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else mode.warmup)
     os.makedirs(args.out, exist_ok=True)
     stem = f"bench_trl_{args.mode}_{args.nproc}{'cpu' if args.cpu else 'gpu'}"
@@ -594,6 +919,10 @@ def main() -> None:
     rounds: list[dict] = []
     hardware, commit = _hardware(args.cpu), _commit()
     key = _rate_key(args.mode)
+
+    def configs():
+        return _variant_configs(mode, results, args.pad_multiple or 1, explicit)
+
     with open(os.path.join(args.out, f"{stem}.log"), "w") as log:
         for i in range(args.repeats):
             # Reversed every other round: a drift of the machine over the call (its host's
@@ -603,7 +932,8 @@ def main() -> None:
             for variant in order:
                 name = variant if i == 0 else f"{variant}@{i + 1}"  # a run's key in "runs"
                 result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu,
-                                          os.path.join(workdir, f"round{i + 1}"), log)
+                                          os.path.join(workdir, f"round{i + 1}"), log,
+                                          args.pad_multiple or 1, explicit)
                 steps = result["steps"][warmup:]
                 if not steps:
                     raise SystemExit(f"{variant}: no step after --warmup {warmup}")
@@ -614,25 +944,28 @@ def main() -> None:
                 summary[variant] = _rates(pooled[variant], world, mode.unit)
                 peaks[variant] = _max_peaks(peaks.get(variant), _peak(result))
                 summary[variant]["peak_memory_gib"] = peaks[variant]
+                summary[variant]["peak_basis"] = _peak_basis(result)
                 # Written after every run (marked partial until the last): a run stopped
                 # later keeps the runs that finished.
                 record = _record(args, hardware, commit, warmup, commands, summary, results,
                                  partial=len(results) < len(variants) * args.repeats,
-                                 rounds=rounds)
+                                 rounds=rounds, configs=configs())
                 with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
                     json.dump(record, f, indent=1)
             done = {"order": order, **{f"{v}_seconds_per_step": r["seconds_per_step"]
                                        for v, r in rates.items()}}
-            if "odc" in rates and "plain" in rates:
-                done["speedup"] = rates["odc"][key] / rates["plain"][key]
+            head = headline(rates, key)
+            if head:
+                done.update(speedup=head["speedup"], baseline=head["baseline"],
+                            speedup_vs=head["speedup_vs"])
             rounds.append(done)
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:  # with the last round
         json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
-                          partial=False, rounds=rounds), f, indent=1)
+                          partial=False, rounds=rounds, configs=configs()), f, indent=1)
     _finish(args, mode, stem, hardware, commit, _model(mode, extra, args.cpu), warmup, summary,
             peaks, pooled, rounds,
             lambda: _record(args, hardware, commit, warmup, commands, summary, results,
-                            partial=False, rounds=rounds))
+                            partial=False, rounds=rounds, configs=configs()), configs())
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
     summary = tmp_path / "trainers.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "sft", "--cpu",
-         "--nproc", "2", "--repeats", "2", "--out", str(tmp_path), "--summary", str(summary),
-         "--kind", "cpu"],
+         "--nproc", "2", "--repeats", "2", "--variants", "odc,plain", "--out", str(tmp_path),
+         "--summary", str(summary), "--kind", "cpu"],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
         timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -160,13 +160,16 @@ def test_pool_makes_one_row_of_separate_records(tmp_path):
         {"trainer": "grpo", "gpus": 2, "kind": "k", "speedup": 1.0, "result": "old.json"}]}))
     bench = os.path.join(ROOT, "benchmarks", "bench_trl.py")
 
-    def pool(*records):
+    def pool(*records, notes=()):
         return subprocess.run(
             [sys.executable, bench, "pool", *map(str, records), "--out", str(tmp_path / "out"),
-             "--summary", str(summary)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-            check=False)
+             "--summary", str(summary), *notes], cwd=ROOT, capture_output=True, text=True,
+            timeout=120, check=False)
 
-    proc = pool(tmp_path / "a.json", tmp_path / "b.json")
+    notes = {"--note": "two calls, one round each", "--commit-note": "tree abcdef0, day 1",
+             "--device-command": "OUT=$OUT bash benchmarks/device_trainers.sh grpo ''"}
+    proc = pool(tmp_path / "a.json", tmp_path / "b.json",
+                notes=[x for kv in notes.items() for x in kv])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(summary.read_text())["rows"]
     assert [r.get("model", "1b") for r in rows] == ["1b", "3b"]
@@ -183,6 +186,16 @@ def test_pool_makes_one_row_of_separate_records(tmp_path):
     pooled = json.loads((tmp_path / "out" / row["result"]).read_text())
     assert pooled["pooled_from"] == ["a.json", "b.json"]
     assert pooled["summary"]["odc"]["steps"] == 6
+    # The notes and commands come from the arguments, the pooled block from the records.
+    assert pooled["note"] == notes["--note"] and pooled["commit_note"] == notes["--commit-note"]
+    assert pooled["device_command"] == notes["--device-command"]
+    block = row["pooled"]
+    assert block == pooled["pooled"] and "note" not in row
+    assert block["runs"] == ["a.json", "b.json"] and block["note"] == notes["--note"]
+    assert block["steps_per_variant"] == {"odc": 6, "plain": 6}
+    assert block["speedup_of_each_run"] == pytest.approx([first, second])
+    update = [s[1] - s[2] for run in (a, b) for s in run[1:]]
+    assert block["seconds_per_step"]["odc"]["mean"] == pytest.approx(sum(update) / 6)
     record(tmp_path / "c.json", b, pb, size="1b")
     proc = pool(tmp_path / "a.json", tmp_path / "c.json")
     assert proc.returncode != 0 and "model sizes" in proc.stderr, proc.stderr[-2000:]
@@ -233,3 +246,114 @@ def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_p
     assert "trl::generate_and_score" not in inside["ranges"]
     update = phases(str(path), within="after:trl::generate_and_score")
     assert update["span_ms"] == 0.45 and update["device_busy_ms"] == 0.09
+
+
+def _bench(tmp_path, *argv, timeout=600):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), argv[0],
+         "--out", str(tmp_path), "--kind", "cpu", *argv[1:]],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_the_sft_baselines_reach_the_trainer(tmp_path):
+    """plain-tuned (SFTConfig.pad_to_multiple_of, here 16), and the padding-free pair
+    (padding_free=True for TRL and for ODC) in one call: each variant's record names what it
+    sets and what reached the trainer; the model saw plain-tuned's microbatches at multiples
+    of 16 with an attention mask, and the padding-free ones as one row with position_ids and
+    no attention mask (SDPA then gets transformers' block-diagonal mask from them); the row
+    compares the faster ODC variant with the faster baseline and keeps every baseline."""
+    pytest.importorskip("trl")
+    summary = tmp_path / "trainers.json"
+    _bench(tmp_path, "sft", "--cpu", "--nproc", "2", "--pad-multiple", "16", "--variants",
+           "plain-tuned,odc-padfree,plain-padfree", "--summary", str(summary))
+    record = json.loads((tmp_path / "bench_trl_sft_2cpu.json").read_text())
+    configs = record["variant_configs"]
+    assert record["pad_multiple"] == 16
+    tuned = configs["plain-tuned"]
+    assert tuned["args"] == ["--no-odc", "--trl-pad-to-multiple-of", "16"]
+    assert tuned["reached"]["pad_to_multiple_of"] == 16
+    assert tuned["reached"]["collator_pad_to_multiple_of"] == 16
+    for variant in ("odc-padfree", "plain-padfree"):
+        reached = configs[variant]["reached"]
+        assert reached["padding_free"] and reached["collator_padding_free"], reached
+    assert configs["odc-padfree"]["reached"]["odc_pad_to_multiple_of"] == 1
+    assert record["attention"]["implementation"] == "sdpa" and record["attention"]["same"]
+    for step in record["runs"]["plain-tuned"]["steps"]:
+        seen = step["batches"]
+        widths = [w for rank in seen["widths_per_rank"] for w in rank]
+        assert widths and all(w % 16 == 0 for w in widths), seen
+        assert seen["attention_mask"] and not seen["position_ids"]
+    for variant in ("odc-padfree", "plain-padfree"):
+        for step in record["runs"][variant]["steps"]:
+            seen = step["batches"]
+            assert seen["position_ids"] and not seen["attention_mask"], seen
+            assert all(r == 1 for rank in seen["rows_per_rank"] for r in rank), seen
+    # The same rows, padded or not: the same tokens per step in every variant.
+    tokens = {v: [s["tokens"] for s in run["steps"]] for v, run in record["runs"].items()}
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    (row,) = json.loads(summary.read_text())["rows"]
+    key = "tokens_per_s_per_gpu"
+    rates = {v: record["summary"][v][key] for v in record["summary"]}
+    assert row["odc_variant"] == "odc-padfree"
+    assert row["baseline"] == max(("plain-tuned", "plain-padfree"), key=rates.get)
+    assert row["speedup"] == pytest.approx(rates["odc-padfree"] / rates[row["baseline"]])
+    assert set(row["baselines"]) == {"plain-tuned", "plain-padfree"}
+    assert row["baselines"]["plain-tuned"]["args"] == tuned["args"]
+    assert row["attention"] == "sdpa"
+
+
+def test_one_rank_plans_the_data_of_two(tmp_path):
+    """--nproc 1 --same-data-as 2: odc, plain and plain-tuned with one rank, each step the
+    rows of a 2-rank step (accumulation doubled); ODC still plans its microbatches (its
+    record has the one-rank bound), and the row carries (a) of the decomposition."""
+    pytest.importorskip("trl")
+    summary = tmp_path / "trainers.json"
+    _bench(tmp_path, "sft", "--cpu", "--nproc", "1", "--same-data-as", "2", "--pad-multiple",
+           "16", "--summary", str(summary), "--", "--steps", "3")
+    record = json.loads((tmp_path / "bench_trl_sft_1cpu.json").read_text())
+    assert record["nproc"] == 1 and record["data_ranks"] == 2
+    assert set(record["runs"]) == {"odc", "plain", "plain-tuned"}
+    for run in record["runs"].values():
+        assert run["meta"]["world"] == 1 and run["meta"]["args"]["accumulation"] == 4
+        assert all(s["sequences"] == 2 * 4 for s in run["steps"])
+    odc = record["runs"]["odc"]["steps"]
+    assert all(len(s["microbatches"]) == 1 and len(s["plain_padded_per_rank"]) == 1
+               for s in odc)
+    (row,) = json.loads(summary.read_text())["rows"]
+    assert row["gpus"] == 1 and row["data_ranks"] == 2
+    key = "tokens_per_s_per_gpu"
+    plan = row["decomposition"]["plan_one_rank"]
+    assert set(plan) == {"plain", "plain-tuned"}
+    assert plan["plain"] == pytest.approx(record["summary"]["odc"][key]
+                                          / record["summary"]["plain"][key])
+    assert row["decomposition"]["bound_one_rank"] == record["summary"]["odc"]["bound"] > 0
+
+
+def test_decompose_splits_the_measured_speedup():
+    """decompose: (a) from the one-rank record, (b) the multi-rank bound and the part of it
+    that balance adds, (c) the measured multi-rank speed-up, and the remainders."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_trl import decompose
+
+    key = "tokens_per_s_per_gpu"
+
+    def record(rates, bound, tokens=(100, 200)):
+        return {"summary": {v: {key: r, **({"bound": bound} if v == "odc" else {})}
+                            for v, r in rates.items()},
+                "runs": {v: {"steps": [{"tokens": t} for t in tokens]} for v in rates}}
+
+    one = record({"odc": 1.2, "plain": 1.0, "plain-tuned": 1.1}, 1.1)
+    multi = record({"odc": 3.0, "plain": 2.0}, 1.5)
+    out = decompose(one, multi, key)
+    assert out["bound_one_rank"] == 1.1 and out["bound"] == 1.5
+    assert out["balance_bound"] == pytest.approx(1.5 / 1.1)
+    plain = out["by_baseline"]["plain"]
+    assert plain["plan_one_rank"] == pytest.approx(1.2) and plain["measured"] == 1.5
+    assert plain["remainder"] == pytest.approx(1.5 / (1.2 * 1.5 / 1.1))
+    assert plain["remainder_whole_bound"] == pytest.approx(1.5 / (1.2 * 1.5))
+    assert out["by_baseline"]["plain-tuned"] == {"plan_one_rank": pytest.approx(1.2 / 1.1)}
+    with pytest.raises(SystemExit, match="different tokens"):
+        decompose(one, record({"odc": 3.0, "plain": 2.0}, 1.5, tokens=(100, 300)), key)

@@ -2,8 +2,8 @@
 // function per area (backend, engine lifecycle, keyed collectives, barrier, stats, transport,
 // keyed calls, balance), called in that order from PYBIND11_MODULE at the end.
 #include <pybind11/chrono.h>
-#include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -435,8 +435,8 @@ void bindKeyCalls(py::module_& m) {
           "finalize",
           [](KeyCalls& self, const std::vector<bool>& got) {
             if (self.views.empty()) return false;
-            return self.grads.finalize(KeyCalls::unpack(self.sharded),
-                                       KeyCalls::unpack(self.views), got);
+            return self.grads.finalize(KeyCalls::unpack(self.sharded), KeyCalls::unpack(self.views),
+                                       got);
           },
           py::arg("got"),
           "Each parameter's .grad: its view where `got` (per parameter of the key), else None; "

@@ -84,7 +84,7 @@ class KeyGrads {
   std::shared_ptr<Noted> noted_;  // shared with the hooks
   std::vector<Hook> hooks_;
   std::vector<uint64_t> all_bits_;  // the trainable parameters
-  std::vector<int64_t> indices_;  // of placeholders_ (and of the callers' sharded and views)
+  std::vector<int64_t> indices_;    // of placeholders_ (and of the callers' sharded and views)
   std::vector<at::Tensor> placeholders_;
 };
 

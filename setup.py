@@ -1,7 +1,8 @@
 """Builds torch-odc's C++ core as the extension torch_odc._C against the installed torch.
 
 CUDA sources are compiled only when the installed torch has CUDA and an nvcc of the same major
-version is found; otherwise the build is CPU-only. ODC_FORCE_CPU=1 forces a CPU-only build.
+version is found; otherwise the build is CPU-only. ODC_FORCE_CPU=1 forces a CPU-only build;
+ODC_WERROR=1 makes compiler warnings errors (CI builds with it).
 Build without isolation so the extension links against the torch you run:
     pip install --no-build-isolation -e .
 """
@@ -16,7 +17,13 @@ from setuptools import find_packages, setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    from torch.utils.cpp_extension import (
+        CUDA_HOME,
+        BuildExtension,
+        CppExtension,
+        CUDAExtension,
+        include_paths,
+    )
 except ImportError as exc:  # pragma: no cover - setup-time guard
     raise SystemExit(
         "torch-odc builds against an installed torch (2.11 or newer). Install torch first, then "
@@ -75,15 +82,20 @@ CUDA_ARCH = [
 
 def _extension():
     with_cuda = _with_cuda()
-    cxx = ["-O2", CXX_STD, "-Wall", "-Wno-unused-parameter"]
+    # torch's headers as system headers (-isystem after BuildExtension's -I: GCC then drops the
+    # -I), so that their warnings stay theirs: torch 2.11's c10/cuda/CUDAEvent.h, included by
+    # the CUDA build of odc_backend.cpp, trips g++ 12's -Winterference-size.
+    torch_headers = [f"-isystem{path}" for path in include_paths()]
+    cxx = ["-O2", CXX_STD, "-Wall", "-Wno-unused-parameter", *torch_headers]
+    nvcc = ["-O3", CXX_STD, *CUDA_ARCH]
+    if os.environ.get("ODC_WERROR", "0") == "1":
+        cxx.append("-Werror")
+        nvcc += ["-Werror=all-warnings", "-Xcompiler=-Wall,-Werror"]
     macros = []
     kwargs = {}
     if with_cuda:
         macros.append(("ODC_WITH_CUDA", "1"))
-        kwargs["extra_compile_args"] = {
-            "cxx": cxx,
-            "nvcc": ["-O3", CXX_STD, *CUDA_ARCH],
-        }
+        kwargs["extra_compile_args"] = {"cxx": cxx, "nvcc": nvcc}
         ext_cls = CUDAExtension
     else:
         kwargs["extra_compile_args"] = {"cxx": cxx}

@@ -1050,11 +1050,10 @@ void OdcBackend::fillCaches(Engine& eng, const std::vector<size_t>& todo,
 
 void OdcBackend::evictShards() {
   const auto held = engine("detach");
-  auto& eng = *held;
   Stream stream = nullptr;
 #ifdef ODC_WITH_CUDA
   std::optional<c10::cuda::CUDAGuard> guard;
-  if (const int device = eng.transport().deviceIndex(); device >= 0) {
+  if (const int device = held->transport().deviceIndex(); device >= 0) {
     guard.emplace(static_cast<c10::DeviceIndex>(device));
     stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   }

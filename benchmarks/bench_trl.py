@@ -275,7 +275,7 @@ MODES: dict[str, Mode] = {
                   "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
                   "--max-completion", "32", "--mean-completion", "12"],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
-        # odc-nopad: ODC without its default length padding (128 on GPUs; docs/integrations.md).
+        # odc-nopad: ODC without its default length padding (128 on GPUs; docs/integrations/trl-grpo.md).
         # plain-tuned: GRPOConfig.pad_to_multiple_of, which rounds the prompt and the completion
         # widths each (ODC makes their sum the multiple, by more left padding).
         variants={"odc": [ODC_PAD], "plain": ["--plain"],

@@ -32,27 +32,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import MODELS, Llama
+from bench_e2e import MODELS
+from bench_memory import build  # the same model, mesh and mixed precision
 
 import torch_odc
 
 GiB = 2**30
 PHASES = ("start", "trained", "released", "restored")
-
-
-def build(model_name, device, group):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    dim, layers, heads, kv_heads, ffn, vocab = MODELS[model_name]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(dim, layers, heads, kv_heads, ffn, vocab)
-    mesh = DeviceMesh.from_group(group, device.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def optimizer_to(opt, device) -> None:
@@ -80,8 +66,7 @@ def run(args, device, group, mode: str) -> dict:
     """mode: "fsdp2" (no attach, phase switch), "odc" (attach, phase switch), "odc_plain" and
     "odc_plain_again" (attach, no switch)."""
     out = {"phases": {"start": snapshot(device)}}
-    model = build(args.model, device, group)
-    handle = torch_odc.attach(model) if mode != "fsdp2" else None
+    model, handle = build(args, device, group, odc=mode != "fsdp2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = MODELS[args.model][-1]
     gen = torch.Generator().manual_seed(dist.get_rank())

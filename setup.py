@@ -100,8 +100,10 @@ def _extension():
     else:
         kwargs["extra_compile_args"] = {"cxx": cxx}
         ext_cls = CppExtension
-    print(f"torch-odc: building {'with CUDA' if with_cuda else 'CPU-only'} against torch "
-          f"{torch.__version__}")
+    print(
+        f"torch-odc: building {'with CUDA' if with_cuda else 'CPU-only'} against torch "
+        f"{torch.__version__}"
+    )
     return ext_cls(
         name="torch_odc._C",
         sources=_sources(with_cuda),
@@ -115,8 +117,9 @@ def _extension():
 def _links_shared_libstdcxx(compiler: str) -> bool:
     """Whether `compiler` links the shared libstdc++ (it resolves libstdc++.so to a file)."""
     try:
-        out = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+        out = subprocess.run(
+            [compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return True  # not a GCC-style driver: nothing to check
     return os.path.isabs(out)
@@ -151,8 +154,10 @@ class _BuildExtension(BuildExtension):
 def _shared_libstdcxx_linker(compiler: str) -> str:
     for candidate in (shutil.which("g++"), shutil.which("c++"), "/usr/bin/g++"):
         if candidate and os.path.exists(candidate) and _links_shared_libstdcxx(candidate):
-            print(f"torch-odc: {compiler} links only a static libstdc++; building with "
-                  f"{candidate} instead, against the shared libstdc++ torch uses")
+            print(
+                f"torch-odc: {compiler} links only a static libstdc++; building with "
+                f"{candidate} instead, against the shared libstdc++ torch uses"
+            )
             return candidate
     raise SystemExit(
         f"torch-odc: the C++ compiler {compiler} has no shared libstdc++ (only libstdc++.a), and "
@@ -175,8 +180,10 @@ setup(
     package_data={"torch_odc": ["_C.pyi", "py.typed"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.16"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],
-                    "bench": ["matplotlib", "numpy"]},
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis", "numpy"],
+        "bench": ["matplotlib", "numpy"],
+    },
     ext_modules=[_extension()],
     cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

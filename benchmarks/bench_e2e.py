@@ -59,10 +59,14 @@ import torch_odc
 from torch_odc import balance
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal,
-             # RL as RL trainers run it: the same sequences as "rl" (same seed), packed into
-             # microbatches of up to --rl-pack-tokens tokens (document-causal varlen attention).
-             "rl-packed": rl_like}
+WORKLOADS = {
+    "long-context": long_context,
+    "rl": rl_like,
+    "equal": equal,
+    # RL as RL trainers run it: the same sequences as "rl" (same seed), packed into
+    # microbatches of up to --rl-pack-tokens tokens (document-causal varlen attention).
+    "rl-packed": rl_like,
+}
 MODELS = {  # name: (dim, layers, heads, kv_heads, ffn, vocab)
     "1b": (2048, 19, 16, 8, 5632, 32000),  # 1.03e9 parameters
     "7b": (4096, 32, 32, 32, 11008, 32000),  # Llama-2-7B's shape: 6.74e9 parameters
@@ -89,8 +93,15 @@ META_INIT = ("7b",)  # built on the meta device, initialized shard by shard afte
 # six points, one warmup pass over two short lengths.
 CALIBRATION = {"7b": ([509, 2039], [1021, 3067, 6143, 12281, 24571, 32749])}
 H200_BF16_DENSE_FLOPS = 989.4e12
-COMM_KERNELS = ("nccl", "publishKernel", "publishFlagsKernel", "Memcpy PtoP",
-                "odcWaitAll", "odcGather", "odcPush")
+COMM_KERNELS = (
+    "nccl",
+    "publishKernel",
+    "publishFlagsKernel",
+    "Memcpy PtoP",
+    "odcWaitAll",
+    "odcGather",
+    "odcPush",
+)
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +120,9 @@ class RMSNorm(nn.Module):
 def rotary_tables(positions, head_dim: int, dtype, base: float = 500000.0):
     """cos / sin of every token's position, (T, 1, head_dim / 2): computed once per microbatch
     and shared by every layer (per-layer recomputation is host work on the critical path)."""
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                      dtype=torch.float32) / head_dim)
+    inv = 1.0 / base ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )
     ang = positions.float()[:, None] * inv[None]
     return ang.cos().to(dtype)[:, None], ang.sin().to(dtype)[:, None]
 
@@ -136,14 +148,19 @@ class Docs:
 def attention(q, k, v, docs: Docs):
     """Causal attention within each document of a packed microbatch; q, k, v: (T, heads, d)."""
     if len(docs.lengths) == 1:  # one sequence: SDPA's flash path
-        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True)
+        att = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+        )
         return att[0].transpose(0, 1)
     if q.is_cuda:  # packed: varlen flash attention, no padding and no cross-document attention
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(q, k, v, docs.cu, docs.cu, docs.max_len, docs.max_len,
-                           window_size=(-1, 0))
+        return varlen_attn(
+            q, k, v, docs.cu, docs.cu, docs.max_len, docs.max_len, window_size=(-1, 0)
+        )
     outs, start = [], 0  # CPU (smoke tests): one SDPA per document
     for n in docs.lengths:
         sl = slice(start, start + n)
@@ -252,8 +269,9 @@ def time_cost(model: CostModel, n_params: float, layers: int, dim: int, pack_tok
     and fixed GPU time every microbatch pays: issuing every layer's forward, recompute and
     backward with FSDP2's hooks). A sequence that shares a packed microbatch pays its token
     share of the floor."""
-    return balance.TimeCost(model.floor, model.dense_rate, model.attn_rate, n_params, layers,
-                            dim, max(1, pack_tokens))
+    return balance.TimeCost(
+        model.floor, model.dense_rate, model.attn_rate, n_params, layers, dim, max(1, pack_tokens)
+    )
 
 
 def calibration_lengths(scale: float = 1.0):
@@ -280,8 +298,9 @@ def calibrate(args, device, nccl_group):
     lengths = calibration_lengths(args.length_scale)
     warm = [n + 3 for n in lengths]
     if args.model in CALIBRATION:
-        warm, lengths = ([max(2, int(n * args.length_scale)) for n in x]
-                         for x in CALIBRATION[args.model])
+        warm, lengths = (
+            [max(2, int(n * args.length_scale)) for n in x] for x in CALIBRATION[args.model]
+        )
     samples = []
     for timed in (False, True):
         for n in lengths if timed else warm:
@@ -298,14 +317,20 @@ def calibrate(args, device, nccl_group):
     handle.detach()
     del model
     fit = fit_cost(samples, n_params, layers, dim)
-    vals = torch.tensor([-fit.dense_rate, -fit.attn_rate, fit.floor], dtype=torch.float64,
-                        device=device if device.type == "cuda" else "cpu")
+    vals = torch.tensor(
+        [-fit.dense_rate, -fit.attn_rate, fit.floor],
+        dtype=torch.float64,
+        device=device if device.type == "cuda" else "cpu",
+    )
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=nccl_group)
     agreed = CostModel(-float(vals[0]), -float(vals[1]), float(vals[2]))
     if dist.get_rank() == 0:
         fitted = time_cost(agreed, n_params, layers, dim)
-        print("calibration (length: seconds measured on rank 0 / modeled): " + ", ".join(
-            f"{n}: {t:.3f}/{fitted(n):.3f}" for n, t in samples), flush=True)
+        print(
+            "calibration (length: seconds measured on rank 0 / modeled): "
+            + ", ".join(f"{n}: {t:.3f}/{fitted(n):.3f}" for n, t in samples),
+            flush=True,
+        )
     return agreed
 
 
@@ -322,8 +347,9 @@ def hsdp_mesh(device, replicas: int, shards: int, backend):
     for col in layout.t().tolist():
         group = dist.new_group(col, backend=backend)
         replicate = group if rank in col else replicate
-    return DeviceMesh.from_group([replicate, shard], device.type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group(
+        [replicate, shard], device.type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def build(args, device, kind, eager_publish=True):
@@ -402,6 +428,7 @@ class SyncReport:
                 self.sites["".join(self._format(limit=8)[:-1])] += 1
             else:
                 self._show(message, category, filename, lineno, file, line)
+
         warnings.showwarning = show
         return self
 
@@ -413,15 +440,23 @@ class SyncReport:
             print("--- no synchronizing operation in the measured minibatches", flush=True)
 
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel",
-                "cudaMemcpy", "cudaMemsetAsync")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaLaunchCooperativeKernel",
+    "cudaMemcpy",
+    "cudaMemsetAsync",
+)
 
 
 def launch_times(events) -> dict:
     """Correlation id -> host start time (us) of the CUDA runtime call that launched it (the
     profiler records these with its CUDA activity; kernels carry the same id)."""
-    return {e.id: e.time_range.start for e in events
-            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)}
+    return {
+        e.id: e.time_range.start
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(LAUNCH_CALLS)
+    }
 
 
 def kernel_breakdown(kernels, launched=None) -> dict:
@@ -452,14 +487,20 @@ def kernel_breakdown(kernels, launched=None) -> dict:
     if not compute:
         return {}
     busy_us, spans = merged_busy(compute)
-    _, comm_spans = merged_busy(clipped(kernels, start, work_end,
-                                        lambda n: any(k in n for k in COMM_KERNELS)))
+    _, comm_spans = merged_busy(
+        clipped(kernels, start, work_end, lambda n: any(k in n for k in COMM_KERNELS))
+    )
     comm_only_us = uncovered(comm_spans, spans)
     work_us = work_end - start
     launched = launched or {}
-    firsts = sorted(((max(e.time_range.start, start) - start, e) for e in kernels
-                     if is_compute(e.name) and e.time_range.end > start
-                     and e.time_range.start < work_end), key=lambda x: x[0])
+    firsts = sorted(
+        (
+            (max(e.time_range.start, start) - start, e)
+            for e in kernels
+            if is_compute(e.name) and e.time_range.end > start and e.time_range.start < work_end
+        ),
+        key=lambda x: x[0],
+    )
     gaps, end, known = [], 0.0, 0
     for begin, e in firsts:  # each gap before a compute kernel, with that kernel
         if begin > end:
@@ -475,12 +516,16 @@ def kernel_breakdown(kernels, launched=None) -> dict:
         blocked_us += (b - lo) - uncovered([[lo, b]], comm_spans)
     # For the picture only: close gaps under 0.2 ms (kernel launch gaps).
     _, coarse = merged_busy([(s, e + 200.0) for s, e in spans])
-    return {"busy_s": busy_us / 1e6, "work_span_s": work_us / 1e6,
-            "comm_only_s": comm_only_us / 1e6, "blocked_in_work_s": blocked_us / 1e6,
-            "gaps_with_launch_time": known, "gaps": len(gaps),
-            "host_gap_s": (work_us - busy_us - blocked_us) / 1e6,
-            "busy_spans_ms": [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)]
-                              for s, e in coarse]}
+    return {
+        "busy_s": busy_us / 1e6,
+        "work_span_s": work_us / 1e6,
+        "comm_only_s": comm_only_us / 1e6,
+        "blocked_in_work_s": blocked_us / 1e6,
+        "gaps_with_launch_time": known,
+        "gaps": len(gaps),
+        "host_gap_s": (work_us - busy_us - blocked_us) / 1e6,
+        "busy_spans_ms": [[round(s / 1e3, 2), round((e - 200.0) / 1e3, 2)] for s, e in coarse],
+    }
 
 
 def kernel_ms_by_window(kernels, top=25) -> list:
@@ -499,17 +544,23 @@ def kernel_ms_by_window(kernels, top=25) -> list:
                 c[0] += 1
                 c[1] += (t - s) / 1e3
         best = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
-        out.append({"window_ms": round((hi - lo) / 1e3, 2),
-                    "kernels": {k: [n, round(ms, 3)] for k, (n, ms) in best}})
+        out.append(
+            {
+                "window_ms": round((hi - lo) / 1e3, 2),
+                "kernels": {k: [n, round(ms, 3)] for k, (n, ms) in best},
+            }
+        )
     return out
 
 
 def clipped(kernels, start, end, pred):
     """(start, end) of the profiled kernels whose name satisfies `pred`, clipped to the window
     and relative to its start."""
-    return [(max(e.time_range.start, start) - start, min(e.time_range.end, end) - start)
-            for e in kernels
-            if pred(e.name) and e.time_range.end > start and e.time_range.start < end]
+    return [
+        (max(e.time_range.start, start) - start, min(e.time_range.end, end) - start)
+        for e in kernels
+        if pred(e.name) and e.time_range.end > start and e.time_range.start < end
+    ]
 
 
 def uncovered(spans, cover):
@@ -529,8 +580,9 @@ def uncovered(spans, cover):
     return total
 
 
-def memory_estimate(model: str, world: int, optimizer: str, tokens: int,
-                    loss_chunk: int = 8192) -> dict:
+def memory_estimate(
+    model: str, world: int, optimizer: str, tokens: int, loss_chunk: int = 8192
+) -> dict:
     """GiB per rank, by the arithmetic of the comment at MODELS (docs/benchmarks.md, "7B-class
     on 2 GPUs"), for a microbatch of `tokens` tokens. Per token, one layer's recompute with
     its backward holds ~62 B x dim (58 measured on CPU with
@@ -546,8 +598,11 @@ def memory_estimate(model: str, world: int, optimizer: str, tokens: int,
     root = n - layers * layer
     shard = n / world
     gib = 2**30
-    state = {"fp32 master shards": 4 * shard, "fp32 gradients (FSDP2 .grad / ODC accumulators)":
-             4 * shard, "optimizer states": (8 * shard if optimizer == "adamw" else 0)}
+    state = {
+        "fp32 master shards": 4 * shard,
+        "fp32 gradients (FSDP2 .grad / ODC accumulators)": 4 * shard,
+        "optimizer states": (8 * shard if optimizer == "adamw" else 0),
+    }
     checkpoints = layers * dim * 2 * tokens  # every layer's bf16 input
     recompute = 62 * dim * tokens
     logits = 4 * vocab * tokens + 6 * vocab * min(loss_chunk, tokens)  # fp32 log-softmax + chunk
@@ -555,13 +610,17 @@ def memory_estimate(model: str, world: int, optimizer: str, tokens: int,
     act = checkpoints + max(recompute, logits)
     odc = sum(state.values()) + 2 * shard + unsharded + act
     fsdp_first = sum(state.values()) - 4 * shard + unsharded + act  # no .grad yet
-    return {"params": n, "sharded_params": shard,
-            **{k: v / gib for k, v in state.items()},
-            "ODC published bf16 cache": 2 * shard / gib,
-            "unsharded layers and root": unsharded / gib,
-            "activations": act / gib,
-            "odc_total": odc / gib, "fsdp2_total_grad_held": (odc - 2 * shard) / gib,
-            "fsdp2_total_first_microbatch": fsdp_first / gib}
+    return {
+        "params": n,
+        "sharded_params": shard,
+        **{k: v / gib for k, v in state.items()},
+        "ODC published bf16 cache": 2 * shard / gib,
+        "unsharded layers and root": unsharded / gib,
+        "activations": act / gib,
+        "odc_total": odc / gib,
+        "fsdp2_total_grad_held": (odc - 2 * shard) / gib,
+        "fsdp2_total_first_microbatch": fsdp_first / gib,
+    }
 
 
 def dry_plan(args):
@@ -573,27 +632,46 @@ def dry_plan(args):
     fit = CostModel.parse(args.calibration or "4.5e14,2.4e14,0.45")
     est = memory_estimate(args.model, world, optimizer_of(args), 1)
     n_params = est["params"]
-    print(f"model {args.model}: {n_params / 1e9:.3f}e9 parameters, {est['sharded_params'] / 1e9:.3f}e9 "
-          f"per rank at {world} ranks; optimizer {optimizer_of(args)}; cost model {fit}")
+    print(
+        f"model {args.model}: {n_params / 1e9:.3f}e9 parameters, {est['sharded_params'] / 1e9:.3f}e9 "
+        f"per rank at {world} ranks; optimizer {optimizer_of(args)}; cost model {fit}"
+    )
     n_minibatches = args.warmup + args.minibatches + 1
     for w in args.workloads:
         pack = pack_tokens_of(w, args)
         cost = time_cost(fit, n_params, layers, dim, pack)
         lengths = workload_lengths(w, args, world, n_minibatches)
-        span = {m: [plans(x, world, m, cost, pack).makespan for x in lengths]
-                for m in ("micro", "mini")}
-        measured = lengths[args.warmup:-1]
-        ratio = np.mean([plans(x, world, "micro", cost, pack).makespan
-                         / plans(x, world, "mini", cost, pack).makespan for x in measured])
-        longest = max(max(sum(int(x[i]) for i in m) for r in plans(x, world, "mini", cost,
-                                                                   pack).microbatches
-                          for m in r) for x in lengths)
+        span = {
+            m: [plans(x, world, m, cost, pack).makespan for x in lengths] for m in ("micro", "mini")
+        }
+        measured = lengths[args.warmup : -1]
+        ratio = np.mean(
+            [
+                plans(x, world, "micro", cost, pack).makespan
+                / plans(x, world, "mini", cost, pack).makespan
+                for x in measured
+            ]
+        )
+        longest = max(
+            max(
+                sum(int(x[i]) for i in m)
+                for r in plans(x, world, "mini", cost, pack).microbatches
+                for m in r
+            )
+            for x in lengths
+        )
         mem = memory_estimate(args.model, world, optimizer_of(args), longest)
-        print(f"[{w}] longest microbatch {longest} tokens; planner micro/mini {ratio:.3f} "
-              f"(measured minibatches); modeled seconds of the {n_minibatches} minibatches: "
-              f"micro {sum(span['micro']):.1f}, mini {sum(span['mini']):.1f}")
-        print("   memory (GiB per rank): " + ", ".join(
-            f"{k} {v:.2f}" for k, v in mem.items() if k not in ("params", "sharded_params")))
+        print(
+            f"[{w}] longest microbatch {longest} tokens; planner micro/mini {ratio:.3f} "
+            f"(measured minibatches); modeled seconds of the {n_minibatches} minibatches: "
+            f"micro {sum(span['micro']):.1f}, mini {sum(span['mini']):.1f}"
+        )
+        print(
+            "   memory (GiB per rank): "
+            + ", ".join(
+                f"{k} {v:.2f}" for k, v in mem.items() if k not in ("params", "sharded_params")
+            )
+        )
 
 
 def optimizer_of(args) -> str:
@@ -619,14 +697,20 @@ def memory_vs_reference(entry) -> dict:
         if not cfg.startswith("odc") or not numel:
             continue
         oa = s["allocator_per_rank"]
-        row = {"reference": ref, "sharded_numel": numel,
-               "region_bytes": max(a.get("region_bytes", 0) for a in oa)}
+        row = {
+            "reference": ref,
+            "sharded_numel": numel,
+            "region_bytes": max(a.get("region_bytes", 0) for a in oa),
+        }
         row["region_minus_fp32_grad_b_per_param"] = (row["region_bytes"] - 4 * numel) / numel
         if all("peak_bytes" in a for a in oa + ra):
             odc = max(a["peak_bytes"] + a.get("region_bytes", 0) for a in oa)
             fsdp = max(a["peak_bytes"] for a in ra)
-            row.update(odc_peak_plus_region_bytes=odc, reference_peak_bytes=fsdp,
-                       peak_b_per_param=(odc - fsdp) / numel)
+            row.update(
+                odc_peak_plus_region_bytes=odc,
+                reference_peak_bytes=fsdp,
+                peak_b_per_param=(odc - fsdp) / numel,
+            )
             odc = max(a["held_after_microbatches_bytes"] + a.get("region_bytes", 0) for a in oa)
             fsdp = max(a["held_after_microbatches_bytes"] for a in ra)
             row["held_b_per_param"] = (odc - fsdp) / numel
@@ -638,9 +722,15 @@ def workload_lengths(workload: str, args, world: int, n_minibatches: int) -> lis
     """The sequence lengths of every minibatch of a run (warmup, measured, profiled), seeded:
     the same for every configuration and for --dry-plan."""
     rng = np.random.default_rng(1234)
-    return [np.maximum(2, (WORKLOADS[workload](rng, args.seqs_per_rank * world)
-                           * args.length_scale).astype(np.int64))
-            for _ in range(n_minibatches)]
+    return [
+        np.maximum(
+            2,
+            (WORKLOADS[workload](rng, args.seqs_per_rank * world) * args.length_scale).astype(
+                np.int64
+            ),
+        )
+        for _ in range(n_minibatches)
+    ]
 
 
 def pack_tokens_of(workload: str, args) -> int:
@@ -669,8 +759,9 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
     vocab = MODELS[args.model][5]
     odc = cfg.startswith("odc")
     # "odc-mini-lazy": shards published at each module's first all-gather instead of up front.
-    model, handle, n_params = build(args, device, "odc" if odc else "nccl",
-                                    eager_publish=not cfg.endswith("-lazy"))
+    model, handle, n_params = build(
+        args, device, "odc" if odc else "nccl", eager_publish=not cfg.endswith("-lazy")
+    )
     # Python's cyclic GC pauses one rank at random points (a straggler for everyone under
     # collectives); like torchtitan, collect between minibatches only.
     gc.collect()
@@ -717,8 +808,11 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         comm_s = 0.0
         marks = []  # (tokens, start event, end event, host seconds) per microbatch
         for micro, seqs in zip(plan.microbatches[rank], inputs):
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-                if device.type == "cuda" else None
+            ev = (
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                if device.type == "cuda"
+                else None
+            )
             if ev:
                 ev[0].record()
             th = time.perf_counter()
@@ -731,8 +825,9 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
                     ev[1].record()
                 marks.append((0, ev, time.perf_counter() - th))
                 continue
-            (model([t.to(device, non_blocking=True) for t in seqs])
-             * world / total_tokens).backward()
+            (
+                model([t.to(device, non_blocking=True) for t in seqs]) * world / total_tokens
+            ).backward()
             if ev:
                 ev[1].record()
             marks.append((sum(int(lengths[i]) for i in micro), ev, time.perf_counter() - th))
@@ -761,11 +856,19 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         opt.zero_grad(set_to_none=True)
         if not (measured or profiled):
             continue
-        row = {"minibatch": mb, "wall_s": wall, "work_s": t_work, "barrier_s": comm_s,
-               "tokens": total_tokens, "microbatches": len(plan.microbatches[rank]),
-               # per microbatch: [tokens, GPU ms (start to end event), host ms to enqueue]
-               "per_micro": [[n, round(e[0].elapsed_time(e[1]), 2) if e else None,
-                              round(h * 1e3, 2)] for n, e, h in marks]}
+        row = {
+            "minibatch": mb,
+            "wall_s": wall,
+            "work_s": t_work,
+            "barrier_s": comm_s,
+            "tokens": total_tokens,
+            "microbatches": len(plan.microbatches[rank]),
+            # per microbatch: [tokens, GPU ms (start to end event), host ms to enqueue]
+            "per_micro": [
+                [n, round(e[0].elapsed_time(e[1]), 2) if e else None, round(h * 1e3, 2)]
+                for n, e, h in marks
+            ],
+        }
         if prof is not None:
             events = prof.events()
             kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -773,12 +876,18 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
             row["kernel_ms_by_micro"] = kernel_ms_by_window(kernels)
             # HSDP: the all-reduces across replicas (FSDP2's after each microbatch's
             # reduce-scatter; ODC's once, in the barrier), kernel time on this rank.
-            row["allreduce_kernel_ms"] = sum(
-                e.time_range.end - e.time_range.start for e in kernels
-                if "AllReduce" in e.name) / 1e3
+            row["allreduce_kernel_ms"] = (
+                sum(e.time_range.end - e.time_range.start for e in kernels if "AllReduce" in e.name)
+                / 1e3
+            )
         else:  # CPU: no kernel timeline; the rank's work is busy, the barrier is blocked
-            row.update(busy_s=t_work, work_span_s=t_work, comm_only_s=0.0,
-                       blocked_in_work_s=0.0, host_gap_s=0.0)
+            row.update(
+                busy_s=t_work,
+                work_span_s=t_work,
+                comm_only_s=0.0,
+                blocked_in_work_s=0.0,
+                host_gap_s=0.0,
+            )
         if profiled:
             prof_row = row
         else:
@@ -787,8 +896,10 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
     alloc = {}
     if device.type == "cuda":
         st = torch.cuda.memory_stats(device)
-        alloc = {k: st.get(k) for k in ("num_alloc_retries", "num_device_alloc",
-                                         "num_device_free", "num_ooms")}
+        alloc = {
+            k: st.get(k)
+            for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+        }
         alloc["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         alloc["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         alloc["held_after_microbatches_bytes"] = held
@@ -799,20 +910,29 @@ def run_config(cfg, args, device, world, rank, workload_lengths, nccl_group, cos
         alloc["region_bytes"] = stats["region_bytes"]
         handle.detach()
     # this rank's sharded parameters (FSDP2's and ODC's per-parameter memory is per these)
-    alloc["sharded_numel"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                 for p in model.parameters())
+    alloc["sharded_numel"] = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+    )
     gc.enable()
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rows": rows, "profiled": prof_row, "peak_mem_gib": peak, "n_params": n_params,
-            "allocator": alloc, "odc_region_gib": region, "odc_region": region_detail}
+    return {
+        "rows": rows,
+        "profiled": prof_row,
+        "peak_mem_gib": peak,
+        "n_params": n_params,
+        "allocator": alloc,
+        "odc_region_gib": region,
+        "odc_region": region_detail,
+    }
 
 
 def summarize(per_rank, args, world, lengths_measured, n_params):
     dim, layers = MODELS[args.model][0], MODELS[args.model][1]
-    wall = sum(max(r["rows"][i]["wall_s"] for r in per_rank)
-               for i in range(len(per_rank[0]["rows"])))
+    wall = sum(
+        max(r["rows"][i]["wall_s"] for r in per_rank) for i in range(len(per_rank[0]["rows"]))
+    )
     tokens = sum(int(sum(x)) for x in lengths_measured)
     flops = sum(model_flops(x, n_params, layers, dim) for x in lengths_measured)
     # Busy/idle over the profiled minibatch (after the measured ones).
@@ -823,12 +943,16 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
     # work, waiting for the slowest), over wall time. The rest of the non-compute time is the
     # GPU waiting for the host (host_gap).
     tail = [last_wall - r["profiled"].get("work_span_s", last_wall) for r in per_rank]
-    blocked = [(t + r["profiled"].get("blocked_in_work_s", r["profiled"].get("comm_only_s", 0.0)))
-               / last_wall for t, r in zip(tail, per_rank)]
+    blocked = [
+        (t + r["profiled"].get("blocked_in_work_s", r["profiled"].get("comm_only_s", 0.0)))
+        / last_wall
+        for t, r in zip(tail, per_rank)
+    ]
     # The earlier rule (blocked = only communication kernels running), for comparison: it also
     # counts a communication kernel that runs while the GPU waits for the host.
-    comm_only = [(t + r["profiled"].get("comm_only_s", 0.0)) / last_wall
-                 for t, r in zip(tail, per_rank)]
+    comm_only = [
+        (t + r["profiled"].get("comm_only_s", 0.0)) / last_wall for t, r in zip(tail, per_rank)
+    ]
     host_gap = [r["profiled"].get("host_gap_s", 0.0) / last_wall for r in per_rank]
     return {
         "tokens_per_s_per_gpu": tokens / wall / world,
@@ -849,14 +973,14 @@ def summarize(per_rank, args, world, lengths_measured, n_params):
         "odc_region_per_rank": [r.get("odc_region") for r in per_rank],
         "barrier_s_per_rank": [sum(row["barrier_s"] for row in r["rows"]) for r in per_rank],
         "microbatches_per_rank": [[row["microbatches"] for row in r["rows"]] for r in per_rank],
-        "profiled_minibatch": {"wall_s_per_rank": [r["profiled"]["wall_s"] for r in per_rank],
-                               "microbatches_per_rank": [r["profiled"]["microbatches"]
-                                                         for r in per_rank]},
+        "profiled_minibatch": {
+            "wall_s_per_rank": [r["profiled"]["wall_s"] for r in per_rank],
+            "microbatches_per_rank": [r["profiled"]["microbatches"] for r in per_rank],
+        },
         "wall_s_per_rank_last": [r["rows"][-1]["wall_s"] for r in per_rank],
         "work_s_per_rank_last": [r["rows"][-1]["work_s"] for r in per_rank],
         "per_micro_last": [r["rows"][-1]["per_micro"] for r in per_rank],
-        "profiled_kernel_ms_by_micro": [r["profiled"].get("kernel_ms_by_micro")
-                                        for r in per_rank],
+        "profiled_kernel_ms_by_micro": [r["profiled"].get("kernel_ms_by_micro") for r in per_rank],
         "allocator_per_rank": [r["allocator"] for r in per_rank],
         **({"replicate": replicate_traffic(per_rank, args)} if args.mesh else {}),
     }
@@ -869,14 +993,20 @@ def replicate_traffic(per_rank, args) -> dict:
     all-reduce kernels' time."""
     replicas = args.mesh[0]
     shard = [4 * r["allocator"]["sharded_numel"] for r in per_rank]
-    calls = [1 if r.get("odc_region_gib") is not None else r["profiled"]["microbatches"]
-             for r in per_rank]
+    calls = [
+        1 if r.get("odc_region_gib") is not None else r["profiled"]["microbatches"]
+        for r in per_rank
+    ]
     reduced = [b * c for b, c in zip(shard, calls)]
-    return {"replicas": replicas, "allreduces_per_rank": calls,
-            "bytes_per_rank": reduced,
-            "ring_bytes_per_rank": [2 * (replicas - 1) / replicas * b for b in reduced],
-            "allreduce_kernel_ms_per_rank": [r["profiled"].get("allreduce_kernel_ms")
-                                             for r in per_rank]}
+    return {
+        "replicas": replicas,
+        "allreduces_per_rank": calls,
+        "bytes_per_rank": reduced,
+        "ring_bytes_per_rank": [2 * (replicas - 1) / replicas * b for b in reduced],
+        "allreduce_kernel_ms_per_rank": [
+            r["profiled"].get("allreduce_kernel_ms") for r in per_rank
+        ],
+    }
 
 
 def plot(results, path):
@@ -889,13 +1019,16 @@ def plot(results, path):
     configs = results["configs"]
     rows_per_timeline = len(configs) * results["world"]
     heights = [3] + [0.25 * rows_per_timeline + 1] * len(workloads)
-    fig, axes = plt.subplots(1 + len(workloads), 1, figsize=(11, sum(heights)),
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        1 + len(workloads), 1, figsize=(11, sum(heights)), gridspec_kw={"height_ratios": heights}
+    )
     ax = axes[0]
     width = 0.8 / len(configs)
     for i, cfg in enumerate(configs):  # a config run on some workloads only: no bar elsewhere
-        vals = [results["workloads"][w]["configs"].get(cfg, {}).get("tokens_per_s_per_gpu", 0.0)
-                for w in workloads]
+        vals = [
+            results["workloads"][w]["configs"].get(cfg, {}).get("tokens_per_s_per_gpu", 0.0)
+            for w in workloads
+        ]
         ax.bar(np.arange(len(workloads)) + i * width, vals, width, label=cfg)
     ax.set_xticks(np.arange(len(workloads)) + width * (len(configs) - 1) / 2, workloads)
     ax.set_ylabel("tokens/s per GPU")
@@ -904,8 +1037,11 @@ def plot(results, path):
         y = 0
         for cfg in [c for c in configs if c in results["workloads"][w]["configs"]]:
             for rank, spans in enumerate(results["workloads"][w]["configs"][cfg]["timeline"]):
-                ax.broken_barh([(s, e - s) for s, e in spans or []], (y - 0.4, 0.8),
-                               color=f"C{configs.index(cfg)}")
+                ax.broken_barh(
+                    [(s, e - s) for s, e in spans or []],
+                    (y - 0.4, 0.8),
+                    color=f"C{configs.index(cfg)}",
+                )
                 ax.text(0, y, f"{cfg} r{rank} ", ha="right", va="center", fontsize=7)
                 y += 1
             y += 0.5
@@ -922,16 +1058,19 @@ def write_results(results, out, tag):
         first = next(iter(entry["configs"]))
         for s in entry["configs"].values():
             s["speedup_vs_" + first] = s["tokens_per_s_per_gpu"] / base
-            s["of_planner_bound"] = (s["speedup_vs_" + first]
-                                     / entry["predicted_speedup_mini_over_micro"])
+            s["of_planner_bound"] = (
+                s["speedup_vs_" + first] / entry["predicted_speedup_mini_over_micro"]
+            )
         entry["memory_vs_reference"] = memory_vs_reference(entry)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, tag + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(out, tag + ".png"))
-    print(f"\n{'workload':<13}{'config':<27}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
-          f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
-          "  planner micro/mini (speedup / planner)")
+    print(
+        f"\n{'workload':<13}{'config':<27}{'tok/s/GPU':>10}{'speedup':>8}{'MFU':>7}"
+        f"{'idle':>7}{'blocked':>8}{'host gap':>9}{'plan idle':>10}{'peak GiB':>9}"
+        "  planner micro/mini (speedup / planner)"
+    )
     for w, entry in results["workloads"].items():
         first = next(iter(entry["configs"]))
         for cfg, s in entry["configs"].items():
@@ -939,22 +1078,28 @@ def write_results(results, out, tag):
             peak = max((m or 0) for m in s["peak_mem_gib_per_rank"])
             bound = entry.get("plan_idle_bound", {}).get(config_base(cfg).split("-")[1])
             bound = f"{bound['profiled_minibatch']:.1%}" if bound else "-"
-            print(f"{w:<13}{cfg:<27}{s['tokens_per_s_per_gpu']:>10.0f}"
-                  f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
-                  f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
-                  f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "
-                  f"{entry['predicted_speedup_mini_over_micro']:.3f} "
-                  f"({s['speedup_vs_' + first] / entry['predicted_speedup_mini_over_micro']:.1%})")
+            print(
+                f"{w:<13}{cfg:<27}{s['tokens_per_s_per_gpu']:>10.0f}"
+                f"{s['speedup_vs_' + first]:>8.2f}{mfu:>7}"
+                f"{s['idle_fraction_mean']:>7.1%}{s.get('blocked_fraction_mean', 0):>8.1%}"
+                f"{s.get('host_gap_fraction_mean', 0):>9.1%}{bound:>10}{peak:>9.1f}  "
+                f"{entry['predicted_speedup_mini_over_micro']:.3f} "
+                f"({s['speedup_vs_' + first] / entry['predicted_speedup_mini_over_micro']:.1%})"
+            )
     for w, entry in results["workloads"].items():  # ODC's memory beside FSDP2's
         for cfg, m in memory_vs_reference(entry).items():
-            line = (f"memory {w} {cfg} vs {m['reference']} ({m['sharded_numel'] / 1e6:.1f}M "
-                    f"sharded params per rank): region {m['region_bytes'] / 2**30:.2f} GiB "
-                    f"= fp32 .grad + {m['region_minus_fp32_grad_b_per_param']:.3f} B/param")
+            line = (
+                f"memory {w} {cfg} vs {m['reference']} ({m['sharded_numel'] / 1e6:.1f}M "
+                f"sharded params per rank): region {m['region_bytes'] / 2**30:.2f} GiB "
+                f"= fp32 .grad + {m['region_minus_fp32_grad_b_per_param']:.3f} B/param"
+            )
             if "peak_b_per_param" in m:
-                line += (f"; peak+region {m['odc_peak_plus_region_bytes'] / 2**30:.2f} GiB vs "
-                         f"peak {m['reference_peak_bytes'] / 2**30:.2f}: "
-                         f"{m['peak_b_per_param']:+.3f} B/param; held through the microbatches "
-                         f"{m['held_b_per_param']:+.3f} B/param")
+                line += (
+                    f"; peak+region {m['odc_peak_plus_region_bytes'] / 2**30:.2f} GiB vs "
+                    f"peak {m['reference_peak_bytes'] / 2**30:.2f}: "
+                    f"{m['peak_b_per_param']:+.3f} B/param; held through the microbatches "
+                    f"{m['held_b_per_param']:+.3f} B/param"
+                )
             print(line)
 
 
@@ -970,8 +1115,9 @@ def merge(paths, out, tag):
             merged["workloads"], merged["configs"], merged["commands"] = {}, [], []
         merged["commands"].append(part["environment"]["command"])
         for w, entry in part["workloads"].items():
-            into = merged["workloads"].setdefault(w, {k: v for k, v in entry.items()
-                                                      if k != "configs"} | {"configs": {}})
+            into = merged["workloads"].setdefault(
+                w, {k: v for k, v in entry.items() if k != "configs"} | {"configs": {}}
+            )
             for cfg, summary in entry["configs"].items():
                 label, n = cfg, 1  # a repeated run of a config: "#2", "#3", ... in run order
                 while label in into["configs"]:
@@ -988,48 +1134,98 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--model", choices=sorted(MODELS), default="1b")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None,
-                   help="default: sgd for 7b (AdamW's states do not fit beside its long-context "
-                        "activations on 2 x 80 GB), adamw otherwise")
-    p.add_argument("--meta-init", action="store_true",
-                   help="build on the meta device and initialize each rank's shards after "
-                        "fully_shard (always for 7b; no full copy of the weights anywhere)")
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default=None,
+        help="default: sgd for 7b (AdamW's states do not fit beside its long-context "
+        "activations on 2 x 80 GB), adamw otherwise",
+    )
+    p.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build on the meta device and initialize each rank's shards after "
+        "fully_shard (always for 7b; no full copy of the weights anywhere)",
+    )
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--configs", nargs="+", default=["nccl-micro", "odc-mini", "odc-micro"],
-                   help="nccl-micro, odc-mini, odc-micro, odc-mini-lazy; a suffix "
-                        "@ODC_NAME=VALUE[,...] runs that config with those settings (e.g. "
-                        "odc-mini@ODC_CUDA_CTAS=32: the transport's thread blocks per operation)")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["nccl-micro", "odc-mini", "odc-micro"],
+        help="nccl-micro, odc-mini, odc-micro, odc-mini-lazy; a suffix "
+        "@ODC_NAME=VALUE[,...] runs that config with those settings (e.g. "
+        "odc-mini@ODC_CUDA_CTAS=32: the transport's thread blocks per operation)",
+    )
     p.add_argument("--seqs-per-rank", type=int, default=4)
-    p.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("REPLICAS", "SHARDS"),
-                   help="HSDP over a (replicas x shards) mesh: ODC inside each shard group and "
-                        "one all-reduce per minibatch across replicas, vs FSDP2-HSDP over NCCL")
-    p.add_argument("--pack-tokens", type=int, default=1,
-                   help="token cap of a microbatch: sequences are packed back to back with "
-                        "document-causal (varlen flash) attention; 1 = one sequence each")
-    p.add_argument("--rl-pack-tokens", type=int, default=16384,
-                   help="token cap of the rl-packed workload's microbatches")
+    p.add_argument(
+        "--mesh",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("REPLICAS", "SHARDS"),
+        help="HSDP over a (replicas x shards) mesh: ODC inside each shard group and "
+        "one all-reduce per minibatch across replicas, vs FSDP2-HSDP over NCCL",
+    )
+    p.add_argument(
+        "--pack-tokens",
+        type=int,
+        default=1,
+        help="token cap of a microbatch: sequences are packed back to back with "
+        "document-causal (varlen flash) attention; 1 = one sequence each",
+    )
+    p.add_argument(
+        "--rl-pack-tokens",
+        type=int,
+        default=16384,
+        help="token cap of the rl-packed workload's microbatches",
+    )
     p.add_argument("--minibatches", type=int, default=3, help="measured minibatches")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--cost", choices=["calibrated", "flops"], default="calibrated",
-                   help="planner cost: measured time model (GPU rate + per-microbatch floor) or "
-                        "modeled FLOPs")
-    p.add_argument("--length-scale", type=float, default=1.0,
-                   help="multiply sequence lengths (CPU smoke tests use ~1/256)")
+    p.add_argument(
+        "--cost",
+        choices=["calibrated", "flops"],
+        default="calibrated",
+        help="planner cost: measured time model (GPU rate + per-microbatch floor) or modeled FLOPs",
+    )
+    p.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="multiply sequence lengths (CPU smoke tests use ~1/256)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name tag (default: model_world)")
-    p.add_argument("--calibration", default=None, metavar="DENSE,ATTN,FLOOR",
-                   help="use this cost model instead of measuring it (runs that are merged "
-                        "must plan with the same one)")
-    p.add_argument("--calibrate-only", action="store_true",
-                   help="measure the cost model, print CALIBRATION=DENSE,ATTN,FLOOR, exit")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="no training: merge result files of earlier runs into --tag")
-    p.add_argument("--sync-debug", action="store_true",
-                   help="diagnostic: report every operation in the measured minibatches that "
-                        "makes the host wait for the GPU, with its Python stack (rank 0)")
-    p.add_argument("--dry-plan", action="store_true",
-                   help="no GPU, no process group: print the model size, plans, planner bound, "
-                        "memory arithmetic and modeled run time of --workloads at --world ranks")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="DENSE,ATTN,FLOOR",
+        help="use this cost model instead of measuring it (runs that are merged "
+        "must plan with the same one)",
+    )
+    p.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help="measure the cost model, print CALIBRATION=DENSE,ATTN,FLOOR, exit",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="no training: merge result files of earlier runs into --tag",
+    )
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="diagnostic: report every operation in the measured minibatches that "
+        "makes the host wait for the GPU, with its Python stack (rank 0)",
+    )
+    p.add_argument(
+        "--dry-plan",
+        action="store_true",
+        help="no GPU, no process group: print the model size, plans, planner bound, "
+        "memory arithmetic and modeled run time of --workloads at --world ranks",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks of --dry-plan")
     args = p.parse_args()
     if args.dry_plan:
@@ -1055,7 +1251,9 @@ def main():
     for c in args.configs:
         config_env(c)  # a malformed label fails here, before any run
         c = c.replace("nccl", ref_backend) if args.device == "cpu" else c
-        configs.append(c if c not in configs else f"{c}#{sum(x.split('#')[0] == c for x in configs) + 1}")
+        configs.append(
+            c if c not in configs else f"{c}#{sum(x.split('#')[0] == c for x in configs) + 1}"
+        )
     dim, layers = MODELS[args.model][0], MODELS[args.model][1]
     results = {"workloads": {}, "configs": configs, "world": world}
     n_minibatches = args.warmup + args.minibatches + 1  # + the profiled one
@@ -1070,18 +1268,26 @@ def main():
             fit = CostModel.parse(args.calibration)
         else:
             fit = calibrate(args, device, nccl_group)
-        calibration = {"dense_flops_per_s": fit.dense_rate, "attention_flops_per_s": fit.attn_rate,
-                       "floor_s": fit.floor}
+        calibration = {
+            "dense_flops_per_s": fit.dense_rate,
+            "attention_flops_per_s": fit.attn_rate,
+            "floor_s": fit.floor,
+        }
         if rank == 0:
-            print(f"cost model: dense {fit.dense_rate / 1e12:.0f} TFLOP/s, attention "
-                  f"{fit.attn_rate / 1e12:.0f} TFLOP/s (model flops), floor "
-                  f"{fit.floor * 1e3:.0f} ms per microbatch\nCALIBRATION={fit}", flush=True)
+            print(
+                f"cost model: dense {fit.dense_rate / 1e12:.0f} TFLOP/s, attention "
+                f"{fit.attn_rate / 1e12:.0f} TFLOP/s (model flops), floor "
+                f"{fit.floor * 1e3:.0f} ms per microbatch\nCALIBRATION={fit}",
+                flush=True,
+            )
     if args.calibrate_only:
         dist.destroy_process_group()
         return
-    results["cost_model"] = {"kind": args.cost, "calibration": calibration,
-                             "form": "floor + dense flops / dense rate + attention flops / "
-                                     "attention rate"}
+    results["cost_model"] = {
+        "kind": args.cost,
+        "calibration": calibration,
+        "form": "floor + dense flops / dense rate + attention flops / attention rate",
+    }
     sync_report = SyncReport() if args.sync_debug and rank == 0 else None
     if sync_report:
         sync_report.__enter__()
@@ -1090,12 +1296,13 @@ def main():
         pack = pack_tokens_of(w, args)
         cost = time_cost(fit, n_params, layers, dim, pack)
         lengths = workload_lengths(w, args, world, n_minibatches)
-        measured = lengths[args.warmup:-1]
+        measured = lengths[args.warmup : -1]
         entry = {"configs": {}}
         for cfg in configs:
             with mock.patch.dict(os.environ, config_env(cfg)):  # this run's settings only
-                out = run_config(config_base(cfg), args, device, world, rank, lengths,
-                                 nccl_group, cost, pack)
+                out = run_config(
+                    config_base(cfg), args, device, world, rank, lengths, nccl_group, cost, pack
+                )
             per_rank = [None] * world
             dist.all_gather_object(per_rank, out, group=nccl_group)
             if rank == 0:
@@ -1105,23 +1312,31 @@ def main():
                 entry["n_params"] = out["n_params"]
                 launch = [r["profiled"].get("gaps_with_launch_time") for r in per_rank]
                 gaps = [r["profiled"].get("gaps") for r in per_rank]
-                print(f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
-                      f"{summary['idle_fraction_mean']:.1%}, blocked "
-                      f"{summary['blocked_fraction_mean']:.1%} (communication-only rule "
-                      f"{summary['blocked_comm_only_rule_fraction_mean']:.1%}; gaps with a "
-                      f"launch time per rank {launch} of {gaps})", flush=True)
+                print(
+                    f"[{w}] {cfg}: {summary['tokens_per_s_per_gpu']:.0f} tok/s/GPU, idle "
+                    f"{summary['idle_fraction_mean']:.1%}, blocked "
+                    f"{summary['blocked_fraction_mean']:.1%} (communication-only rule "
+                    f"{summary['blocked_comm_only_rule_fraction_mean']:.1%}; gaps with a "
+                    f"launch time per rank {launch} of {gaps})",
+                    flush=True,
+                )
                 for r, pr in enumerate(per_rank):  # the last minibatch, per rank
                     last = pr["rows"][-1]
                     gpu = sum(m[1] or 0 for m in last["per_micro"])
-                    print(f"   r{r}: micro {last['microbatches']:2d} tokens "
-                          f"{sum(m[0] for m in last['per_micro']):6d} wall {last['wall_s']:.3f} "
-                          f"work {last['work_s']:.3f} barrier {last['barrier_s']:.3f} busy "
-                          f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
-                          f"alloc {pr['allocator']}", flush=True)
+                    print(
+                        f"   r{r}: micro {last['microbatches']:2d} tokens "
+                        f"{sum(m[0] for m in last['per_micro']):6d} wall {last['wall_s']:.3f} "
+                        f"work {last['work_s']:.3f} barrier {last['barrier_s']:.3f} busy "
+                        f"{last.get('busy_s', 0):.3f} gpu-sum {gpu / 1e3:.3f} "
+                        f"alloc {pr['allocator']}",
+                        flush=True,
+                    )
         if rank == 0:
-            ratios = [plans(x, world, "micro", cost, pack).makespan
-                      / plans(x, world, "mini", cost, pack).makespan
-                      for x in measured]
+            ratios = [
+                plans(x, world, "micro", cost, pack).makespan
+                / plans(x, world, "mini", cost, pack).makespan
+                for x in measured
+            ]
             entry["predicted_speedup_mini_over_micro"] = float(np.mean(ratios))
 
             def idle_bound(x, mode, cost=cost, pack=pack):  # the idle the plan itself implies
@@ -1131,36 +1346,51 @@ def main():
             # Whole sequences cannot be split: one that costs more than a rank's share forces
             # idle on the others whatever the balancer does.
             entry["plan_idle_bound"] = {
-                mode: {"measured_minibatches": float(np.mean([idle_bound(x, mode)
-                                                              for x in measured])),
-                       "profiled_minibatch": idle_bound(lengths[-1], mode)}
-                for mode in ("mini", "micro")}
+                mode: {
+                    "measured_minibatches": float(np.mean([idle_bound(x, mode) for x in measured])),
+                    "profiled_minibatch": idle_bound(lengths[-1], mode),
+                }
+                for mode in ("mini", "micro")
+            }
             entry["mean_length"] = float(np.mean(np.concatenate(measured)))
             entry["pack_tokens"] = pack
             # The memory arithmetic (memory_estimate) at this run's longest microbatch, to set
             # beside the measured peaks.
-            longest = max(sum(int(x[i]) for i in m) for x in lengths
-                          for r in plans(x, world, "mini", cost, pack).microbatches for m in r)
+            longest = max(
+                sum(int(x[i]) for i in m)
+                for x in lengths
+                for r in plans(x, world, "mini", cost, pack).microbatches
+                for m in r
+            )
             est = memory_estimate(args.model, world, optimizer_of(args), longest)
             entry["memory_estimate_gib"] = {"longest_microbatch_tokens": longest, **est}
-            print(f"[{w}] memory arithmetic at the longest microbatch ({longest} tokens): ODC "
-                  f"~{est['odc_total']:.1f} GiB (allocator + region), FSDP2 "
-                  f"~{est['fsdp2_total_first_microbatch']:.1f} GiB in a first microbatch, "
-                  f"~{est['fsdp2_total_grad_held']:.1f} GiB with its .grad", flush=True)
+            print(
+                f"[{w}] memory arithmetic at the longest microbatch ({longest} tokens): ODC "
+                f"~{est['odc_total']:.1f} GiB (allocator + region), FSDP2 "
+                f"~{est['fsdp2_total_first_microbatch']:.1f} GiB in a first microbatch, "
+                f"~{est['fsdp2_total_grad_held']:.1f} GiB with its .grad",
+                flush=True,
+            )
             results["workloads"][w] = entry
     if sync_report:
         sync_report.__exit__(None, None, None)
     if rank == 0:
         results["environment"] = {
-            "host": socket.gethostname(), "device": args.device,
+            "host": socket.gethostname(),
+            "device": args.device,
             "gpu": torch.cuda.get_device_name(device) if args.device == "cuda" else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+            if args.device == "cuda"
+            else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"torchrun --nproc-per-node={world} " + " ".join(sys.argv),
             "git_commit": os.environ.get("ODC_GIT_COMMIT"),
-            "model": args.model, "seqs_per_rank": args.seqs_per_rank,
-            "optimizer": optimizer_of(args), "length_scale": args.length_scale,
+            "model": args.model,
+            "seqs_per_rank": args.seqs_per_rank,
+            "optimizer": optimizer_of(args),
+            "length_scale": args.length_scale,
             "pack_tokens": args.pack_tokens,
         }
         tag = args.tag or f"e2e_{args.model}_{world}{'gpu' if args.device == 'cuda' else 'cpu'}"

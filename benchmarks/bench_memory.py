@@ -73,9 +73,15 @@ def run(args, device, group, odc: bool) -> dict:
         # What .grad holds in the allocator at the end of the minibatch's backward: FSDP2's
         # sharded gradients; under ODC nothing (the gradients are in the accumulators, .grad
         # a placeholder that allocates nothing and refuses to be read before the barrier).
-        grad_bytes = 0 if handle is not None else sum(
-            p.grad.to_local().numel() * p.grad.to_local().element_size()
-            for p in model.parameters() if p.grad is not None)
+        grad_bytes = (
+            0
+            if handle is not None
+            else sum(
+                p.grad.to_local().numel() * p.grad.to_local().element_size()
+                for p in model.parameters()
+                if p.grad is not None
+            )
+        )
         if handle is not None:
             torch_odc.minibatch_barrier()
         opt.step()
@@ -116,8 +122,13 @@ def free_restore_cycles(args, model, handle, device, gen) -> list[dict]:
         handle.restore_gradient_memory()
         t2 = time.perf_counter()
         after = handle.stats()["gradient_memory"]
-        cycles.append({"free_s": t1 - t0, "restore_s": t2 - t1,
-                       "engine": {k: after[k] - before[k] for k in after if k.endswith("_s")}})
+        cycles.append(
+            {
+                "free_s": t1 - t0,
+                "restore_s": t2 - t1,
+                "engine": {k: after[k] - before[k] for k in after if k.endswith("_s")},
+            }
+        )
         tokens = torch.randint(0, vocab, (args.seq_len + 1,), generator=gen).to(device)
         (model([tokens]) / args.seq_len).backward()
         torch_odc.minibatch_barrier()
@@ -136,30 +147,46 @@ def plot(result, path):
     fig, ax = plt.subplots(figsize=(7, 4))
     region = odc["region"]
     bars = [
-        ("ODC", [("allocator peak", odc["allocator_peak_bytes"]),
-                 ("parameters (shard cache)", region.get("parameter_bytes", 0)),
-                 ("published cache", region["published_cache_bytes"]),
-                 ("accumulators (= .grad)", region["accumulator_bytes"]),
-                 ("control", region["control_bytes"])]),
+        (
+            "ODC",
+            [
+                ("allocator peak", odc["allocator_peak_bytes"]),
+                ("parameters (shard cache)", region.get("parameter_bytes", 0)),
+                ("published cache", region["published_cache_bytes"]),
+                ("accumulators (= .grad)", region["accumulator_bytes"]),
+                ("control", region["control_bytes"]),
+            ],
+        ),
         (f"FSDP2 ({fsdp2['how']})", [("allocator peak", fsdp2["allocator_peak_bytes"])]),
     ]
-    colors = {"allocator peak": "#4c72b0", "parameters (shard cache)": "#8172b3",
-              "published cache": "#dd8452",
-              "accumulators (= .grad)": "#55a868", "control": "#c44e52"}
+    colors = {
+        "allocator peak": "#4c72b0",
+        "parameters (shard cache)": "#8172b3",
+        "published cache": "#dd8452",
+        "accumulators (= .grad)": "#55a868",
+        "control": "#c44e52",
+    }
     for i, (name, parts) in enumerate(bars):
         bottom = 0.0
         for label, value in parts:
-            ax.bar(i, value / GiB, bottom=bottom, color=colors[label],
-                   label=label if i == 0 or label != "allocator peak" else None)
+            ax.bar(
+                i,
+                value / GiB,
+                bottom=bottom,
+                color=colors[label],
+                label=label if i == 0 or label != "allocator peak" else None,
+            )
             bottom += value / GiB
         ax.text(i, bottom, f"{bottom:.2f} GiB", ha="center", va="bottom")
     top = max(sum(v for _, v in parts) for _, parts in bars) / GiB
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars])
     ax.set_ylabel("GiB per rank")
-    ax.set_title(f"{result['model']} model, {result['world']} ranks, {result['device']}\n"
-                 f"ODC - FSDP2 = {result['extra_bytes_per_sharded_param']:.3f} B per sharded "
-                 "parameter")
+    ax.set_title(
+        f"{result['model']} model, {result['world']} ranks, {result['device']}\n"
+        f"ODC - FSDP2 = {result['extra_bytes_per_sharded_param']:.3f} B per sharded "
+        "parameter"
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -171,8 +198,12 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--minibatches", type=int, default=3)
-    p.add_argument("--cycles", type=int, default=0,
-                   help="then time this many free/restore_gradient_memory cycles (ODC)")
+    p.add_argument(
+        "--cycles",
+        type=int,
+        default=0,
+        help="then time this many free/restore_gradient_memory cycles (ODC)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
@@ -195,15 +226,22 @@ def main():
         res["fsdp2"]["how"] = "measured, NCCL"
     else:
         odc = res["odc"]
-        res["fsdp2"] = {"how": "accounted",
-                        "allocator_peak_bytes": odc["allocator_peak_bytes"] +
-                        odc["sharded_grad_bytes"] + odc["region"].get("parameter_bytes", 0)}
+        res["fsdp2"] = {
+            "how": "accounted",
+            "allocator_peak_bytes": odc["allocator_peak_bytes"]
+            + odc["sharded_grad_bytes"]
+            + odc["region"].get("parameter_bytes", 0),
+        }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, res)
     if rank == 0:
         extra = [
-            (r["odc"]["allocator_peak_bytes"] + r["odc"]["region_bytes"]
-             - r["fsdp2"]["allocator_peak_bytes"]) / r["odc"]["sharded_param_numel"]
+            (
+                r["odc"]["allocator_peak_bytes"]
+                + r["odc"]["region_bytes"]
+                - r["fsdp2"]["allocator_peak_bytes"]
+            )
+            / r["odc"]["sharded_param_numel"]
             for r in per_rank
         ]
         result = {
@@ -229,18 +267,24 @@ def main():
         plot(result, os.path.join(args.out, f"memory_{tag}.png"))
         for r_i, r in enumerate(per_rank):
             o, f2 = r["odc"], r["fsdp2"]
-            print(f"rank {r_i}: ODC allocator peak {o['allocator_peak_bytes'] / GiB:.3f} GiB + "
-                  f"region {o['region_bytes'] / GiB:.3f} GiB ({o['region']}) ; FSDP2 "
-                  f"({f2['how']}) {f2['allocator_peak_bytes'] / GiB:.3f} GiB; extra "
-                  f"{extra[r_i]:.3f} B per sharded parameter")
+            print(
+                f"rank {r_i}: ODC allocator peak {o['allocator_peak_bytes'] / GiB:.3f} GiB + "
+                f"region {o['region_bytes'] / GiB:.3f} GiB ({o['region']}) ; FSDP2 "
+                f"({f2['how']}) {f2['allocator_peak_bytes'] / GiB:.3f} GiB; extra "
+                f"{extra[r_i]:.3f} B per sharded parameter"
+            )
             cycles = o.get("gradient_memory_cycles")
             if cycles:
-                med = {k: statistics.median(c["engine"][k] for c in cycles)
-                       for k in cycles[0]["engine"]}
-                print(f"rank {r_i}: free/restore over {len(cycles)} cycles, median ms: free "
-                      f"{1e3 * statistics.median(c['free_s'] for c in cycles):.2f}, restore "
-                      f"{1e3 * statistics.median(c['restore_s'] for c in cycles):.2f}; engine "
-                      + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in med.items()))
+                med = {
+                    k: statistics.median(c["engine"][k] for c in cycles)
+                    for k in cycles[0]["engine"]
+                }
+                print(
+                    f"rank {r_i}: free/restore over {len(cycles)} cycles, median ms: free "
+                    f"{1e3 * statistics.median(c['free_s'] for c in cycles):.2f}, restore "
+                    f"{1e3 * statistics.median(c['restore_s'] for c in cycles):.2f}; engine "
+                    + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in med.items())
+                )
     dist.destroy_process_group()
 
 

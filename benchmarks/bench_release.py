@@ -57,9 +57,12 @@ def snapshot(device) -> dict:
     free, total = torch.cuda.mem_get_info(device)
     stats = torch_odc.stats()
     dist.barrier()
-    return {"driver_free_bytes": free, "driver_total_bytes": total,
-            "reserved_bytes": torch.cuda.memory_reserved(device),
-            "odc_region_bytes": stats[0]["region_bytes"] if stats else 0}
+    return {
+        "driver_free_bytes": free,
+        "driver_total_bytes": total,
+        "reserved_bytes": torch.cuda.memory_reserved(device),
+        "odc_region_bytes": stats[0]["region_bytes"] if stats else 0,
+    }
 
 
 def run(args, device, group, mode: str) -> dict:
@@ -96,11 +99,10 @@ def run(args, device, group, mode: str) -> dict:
             torch_odc.restore_memory()
     minibatch()
     out["phases"]["restored"] = snapshot(device)
-    out["params"] = {n: p.to_local().detach().float().cpu()
-                     for n, p in model.named_parameters()}
+    out["params"] = {n: p.to_local().detach().float().cpu() for n, p in model.named_parameters()}
     if handle is not None:
         handle.detach()
-    del model, opt, handle
+    model = opt = handle = None  # freed before the next mode builds its own
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -118,14 +120,21 @@ def plot(result, path):
         if mode not in result["modes"]:
             continue
         phases = result["modes"][mode]["phases"]
-        used = [(phases[p]["driver_total_bytes"] - phases[p]["driver_free_bytes"]) / GiB
-                for p in PHASES]
-        ax.bar([x + i * width for x in range(len(PHASES))], used, width,
-               label="FSDP2 alone" if mode == "fsdp2" else "ODC")
+        used = [
+            (phases[p]["driver_total_bytes"] - phases[p]["driver_free_bytes"]) / GiB for p in PHASES
+        ]
+        ax.bar(
+            [x + i * width for x in range(len(PHASES))],
+            used,
+            width,
+            label="FSDP2 alone" if mode == "fsdp2" else "ODC",
+        )
     ax.set_xticks([x + width / 2 for x in range(len(PHASES))], PHASES)
     ax.set_ylabel("GPU memory in use (driver), GiB")
-    ax.set_title(f"{result['model']} model, {result['world']} ranks on {result['gpus']} GPU(s): "
-                 "memory given back between phases")
+    ax.set_title(
+        f"{result['model']} model, {result['world']} ranks on {result['gpus']} GPU(s): "
+        "memory given back between phases"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -153,8 +162,11 @@ def main():
     # ODC without the switch twice: two ranks' pushes into one accumulator land in either
     # order, so runs differ by rounding (AdamW's normalized step turns that into up to ~lr per
     # step for near-zero gradients): the floor the switch's difference is read against.
-    for mode in ("fsdp2", "odc", "odc_plain", "odc_plain_again") if alone else (
-            "odc", "odc_plain", "odc_plain_again"):
+    for mode in (
+        ("fsdp2", "odc", "odc_plain", "odc_plain_again")
+        if alone
+        else ("odc", "odc_plain", "odc_plain_again")
+    ):
         modes[mode] = run(args, device, group, mode)
     params = {m: modes[m].pop("params") for m in modes}
 
@@ -164,19 +176,29 @@ def main():
         return max((params[a][k] - params[b][k]).abs().max().item() for k in params[a])
 
     result = {
-        "model": args.model, "world": world, "gpus": torch.cuda.device_count(),
-        "gpu": torch.cuda.get_device_name(device), "host": socket.gethostname(),
-        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "model": args.model,
+        "world": world,
+        "gpus": torch.cuda.device_count(),
+        "gpu": torch.cuda.get_device_name(device),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
         "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]),
-        "args": vars(args), "modes": modes,
+        "args": vars(args),
+        "modes": modes,
         "max_param_diff_odc_switch_vs_no_switch": diff("odc", "odc_plain"),
         "max_param_diff_odc_vs_fsdp2": diff("odc", "fsdp2"),
         "max_param_diff_noise_no_switch_twice": diff("odc_plain", "odc_plain_again"),
     }
     diffs = [None] * world
-    dist.all_gather_object(diffs, [result["max_param_diff_odc_switch_vs_no_switch"],
-                                   result["max_param_diff_odc_vs_fsdp2"],
-                                   result["max_param_diff_noise_no_switch_twice"]])
+    dist.all_gather_object(
+        diffs,
+        [
+            result["max_param_diff_odc_switch_vs_no_switch"],
+            result["max_param_diff_odc_vs_fsdp2"],
+            result["max_param_diff_noise_no_switch_twice"],
+        ],
+    )
     result["per_rank_max_param_diff"] = diffs
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -188,15 +210,24 @@ def main():
         for phase in PHASES:
             od = modes["odc"]["phases"][phase]
             f2 = modes.get("fsdp2", {}).get("phases", {}).get(phase)
-            used = (f"{(f2['driver_total_bytes'] - f2['driver_free_bytes']) / GiB:15.2f}" if f2
-                    else f"{'-':>15}")
-            print(f"{phase:10} {used} "
-                  f"{(od['driver_total_bytes'] - od['driver_free_bytes']) / GiB:13.2f} "
-                  f"{od['odc_region_bytes'] / GiB:15.2f}")
-        print("max |param| diff, ODC with vs without the switch:",
-              result["max_param_diff_odc_switch_vs_no_switch"], " without, twice:",
-              result["max_param_diff_noise_no_switch_twice"], " ODC vs FSDP2:",
-              result["max_param_diff_odc_vs_fsdp2"])
+            used = (
+                f"{(f2['driver_total_bytes'] - f2['driver_free_bytes']) / GiB:15.2f}"
+                if f2
+                else f"{'-':>15}"
+            )
+            print(
+                f"{phase:10} {used} "
+                f"{(od['driver_total_bytes'] - od['driver_free_bytes']) / GiB:13.2f} "
+                f"{od['odc_region_bytes'] / GiB:15.2f}"
+            )
+        print(
+            "max |param| diff, ODC with vs without the switch:",
+            result["max_param_diff_odc_switch_vs_no_switch"],
+            " without, twice:",
+            result["max_param_diff_noise_no_switch_twice"],
+            " ODC vs FSDP2:",
+            result["max_param_diff_odc_vs_fsdp2"],
+        )
     dist.destroy_process_group()
 
 

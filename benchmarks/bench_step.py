@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import itertools
+
 from bench_e2e import Llama, merged_busy
 
 import torch_odc
@@ -59,21 +61,46 @@ import torch_odc
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
 # ODC's kernels by name (csrc/transport/cuda_ipc/kernels.cu): the issue's headline categories.
-ODC_KERNELS = (("odcGather", "odc_gather"), ("odcWait", "odc_wait"), ("odcPush", "odc_push"),
-               ("publishKernel", "odc_publish"), ("publishFlagsKernel", "odc_publish"))
+ODC_KERNELS = (
+    ("odcGather", "odc_gather"),
+    ("odcWait", "odc_wait"),
+    ("odcPush", "odc_push"),
+    ("publishKernel", "odc_publish"),
+    ("publishFlagsKernel", "odc_publish"),
+)
 # Host ranges inside ODC's calls in which the host only waits: for its own GPU work (the
 # barrier's quiesce) and for the peers' arrival. "Host time outside the waits" excludes them.
 WAIT_RANGES = ("odc::wait_device", "odc::wait_peers")
 HEADLINE = tuple(dict.fromkeys(cat for _, cat in ODC_KERNELS))
-CATEGORIES = HEADLINE + ("odc_other", "nccl", "fsdp2_copy_in", "fsdp2_copy_out", "fsdp2_reduce",
-                         "fsdp2_other", "optimizer", "compute")
+CATEGORIES = HEADLINE + (
+    "odc_other",
+    "nccl",
+    "fsdp2_copy_in",
+    "fsdp2_copy_out",
+    "fsdp2_reduce",
+    "fsdp2_other",
+    "optimizer",
+    "compute",
+)
 # Host ranges a launch is attributed to (the innermost one that encloses it, on its thread).
 RANGE_PREFIXES = ("odc::", "FSDP::", "Optimizer.")
 NOT_KERNELS = RANGE_PREFIXES + ("ProfilerStep",)  # GPU-side copies of host ranges
-LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset",
-                "cudaGraphLaunch")
-NOT_DEVICE_WORK = ("Stream Sync", "Event Sync", "Context Sync", "Stream Wait Event",
-                   "Device Synchronize")
+LAUNCH_CALLS = (
+    "cudaLaunch",
+    "cuLaunch",
+    "cudaMemcpy",
+    "cudaMemset",
+    "cuMemcpy",
+    "cuMemset",
+    "cudaGraphLaunch",
+)
+NOT_DEVICE_WORK = (
+    "Stream Sync",
+    "Event Sync",
+    "Context Sync",
+    "Stream Wait Event",
+    "Device Synchronize",
+)
 
 
 def category(kernel: str, rng: str | None) -> str:
@@ -142,8 +169,12 @@ def gpu_breakdown(events) -> dict:
     by_cat = dict.fromkeys(CATEGORIES, 0.0)
     odc_other_by_range, count, unmatched = {}, 0, 0
     for e in events:
-        if (not _is_device(e) or getattr(e, "is_user_annotation", False)
-                or e.name.startswith(NOT_KERNELS) or e.name in NOT_DEVICE_WORK):
+        if (
+            not _is_device(e)
+            or getattr(e, "is_user_annotation", False)
+            or e.name.startswith(NOT_KERNELS)
+            or e.name in NOT_DEVICE_WORK
+        ):
             continue
         rng = None
         launch = launches.get(e.id)
@@ -161,13 +192,19 @@ def gpu_breakdown(events) -> dict:
             kind = (rng or e.name).split(" ")[0]
             odc_other_by_range[kind] = odc_other_by_range.get(kind, 0.0) + dur
     total = sum(by_cat.values())
-    return {"total_us": total, "by_category_us": by_cat, "activities": count,
-            "unmatched_launches": unmatched, "odc_other_by_range_us": odc_other_by_range,
-            "odc_kernels_us": sum(by_cat[c] for c in HEADLINE),
-            "odc_share": sum(by_cat[c] for c in HEADLINE) / total if total else None,
-            "odc_with_other_share": (sum(by_cat[c] for c in HEADLINE) + by_cat["odc_other"])
-            / total if total else None,
-            "nccl_share": by_cat["nccl"] / total if total else None}
+    return {
+        "total_us": total,
+        "by_category_us": by_cat,
+        "activities": count,
+        "unmatched_launches": unmatched,
+        "odc_other_by_range_us": odc_other_by_range,
+        "odc_kernels_us": sum(by_cat[c] for c in HEADLINE),
+        "odc_share": sum(by_cat[c] for c in HEADLINE) / total if total else None,
+        "odc_with_other_share": (sum(by_cat[c] for c in HEADLINE) + by_cat["odc_other"]) / total
+        if total
+        else None,
+        "nccl_share": by_cat["nccl"] / total if total else None,
+    }
 
 
 def host_odc_time(events) -> dict:
@@ -188,8 +225,12 @@ def host_odc_time(events) -> dict:
             waits.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
     total = sum(merged_busy(s)[0] for s in spans.values())
     waited = sum(merged_busy(s)[0] for s in waits.values())
-    return {"by_kind": kinds, "total_us": total, "waits_us": waited,
-            "outside_waits_us": total - waited}
+    return {
+        "by_kind": kinds,
+        "total_us": total,
+        "waits_us": waited,
+        "outside_waits_us": total - waited,
+    }
 
 
 class Phases:
@@ -211,8 +252,8 @@ class Phases:
         """Between consecutive marks; call after the device is synchronized."""
         m = self.marks
         if self.cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
-        return [b - a for a, b in zip(m, m[1:])]
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(m)]
+        return [b - a for a, b in itertools.pairwise(m)]
 
 
 def sync(device):
@@ -226,8 +267,15 @@ def build(args, device, group, odc: bool):
 
     torch.manual_seed(0)  # the same full model on every rank before sharding
     with torch.device(device):
-        model = Llama(args.dim, args.layers, args.heads, args.kv_heads, args.ffn, args.vocab,
-                      checkpointing=args.checkpointing)
+        model = Llama(
+            args.dim,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.ffn,
+            args.vocab,
+            checkpointing=args.checkpointing,
+        )
     mesh = DeviceMesh.from_group(group, device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
@@ -251,8 +299,10 @@ def run_config(cfg, args, device, group) -> dict:
     total = args.warmup + args.minibatches + 2
     inputs = []  # made (and pinned) before the clock starts: a data loader's work
     for _ in range(total):
-        mb = [torch.randint(0, args.vocab, (args.seq + 1,), generator=gen)
-              for _ in range(args.microbatches)]
+        mb = [
+            torch.randint(0, args.vocab, (args.seq + 1,), generator=gen)
+            for _ in range(args.microbatches)
+        ]
         inputs.append([t.pin_memory() for t in mb] if device.type == "cuda" else mb)
     scale = 1.0 / (args.seq * args.microbatches)
     rows, prof, prof_out, moved = [], None, None, None
@@ -265,8 +315,10 @@ def run_config(cfg, args, device, group) -> dict:
                 acts = [torch.profiler.ProfilerActivity.CPU]
                 if device.type == "cuda":
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
-                prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(
-                    wait=0, warmup=1, active=1, repeat=1))
+                prof = torch.profiler.profile(
+                    activities=acts,
+                    schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+                )
                 prof.__enter__()
             elif profiled:
                 prof.step()  # recording starts
@@ -297,27 +349,34 @@ def run_config(cfg, args, device, group) -> dict:
                 # ODC's own host time without the profiler: its entry points' host clock
                 # (torch_odc.stats()["host_s"]) less the barrier's waits.
                 after = handle.stats()
-                waits = [sum(x["total"].get(k, 0.0) for k in ("barrier_wait_s", "publish_wait_s"))
-                         for x in (before, after)]
+                waits = [
+                    sum(x["total"].get(k, 0.0) for k in ("barrier_wait_s", "publish_wait_s"))
+                    for x in (before, after)
+                ]
                 row["odc_host_s"] = after["host_s"] - before["host_s"]
                 row["odc_host_wait_s"] = waits[1] - waits[0]
                 # apart: the barrier's (in its clock) and those for peers' publishes (in the
                 # gathers' clock, where a gather waits on the host: the CPU transport)
                 row["odc_host_waits_by_kind_s"] = {
                     kind: after["total"].get(k, 0.0) - before["total"].get(k, 0.0)
-                    for kind, k in (("barrier", "barrier_wait_s"),
-                                    ("gather", "publish_wait_s"))}
+                    for kind, k in (("barrier", "barrier_wait_s"), ("gather", "publish_wait_s"))
+                }
                 if "host_by_kind_s" in after:  # per entry point (the barrier's waits in it)
                     row["odc_host_by_kind_s"] = {
                         k: v - before["host_by_kind_s"][k]
-                        for k, v in after["host_by_kind_s"].items()}
+                        for k, v in after["host_by_kind_s"].items()
+                    }
                 if "cpp_host_s" in after:  # the C++ part of the keyed calls
-                    row["odc_cpp_host_s"] = {k: v - before["cpp_host_s"][k]
-                                             for k, v in after["cpp_host_s"].items()}
+                    row["odc_cpp_host_s"] = {
+                        k: v - before["cpp_host_s"][k] for k, v in after["cpp_host_s"].items()
+                    }
             if profiled:
                 events = prof.events()
-                prof_out = {"row": row, "gpu": gpu_breakdown(events) if device.type == "cuda"
-                            else None, "host_odc": host_odc_time(events)}
+                prof_out = {
+                    "row": row,
+                    "gpu": gpu_breakdown(events) if device.type == "cuda" else None,
+                    "host_odc": host_odc_time(events),
+                }
             elif args.warmup <= i < total - 2:
                 rows.append(row)
             gc.collect()
@@ -330,8 +389,13 @@ def run_config(cfg, args, device, group) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rows": rows, "profiled": prof_out, "n_params": n_params, "moved": moved,
-            "allocator_peak_bytes": peak}
+    return {
+        "rows": rows,
+        "profiled": prof_out,
+        "n_params": n_params,
+        "moved": moved,
+        "allocator_peak_bytes": peak,
+    }
 
 
 def time_copies(nbytes: int, calls: int, device, iters: int, cap: int) -> dict:
@@ -365,7 +429,7 @@ def time_copies(nbytes: int, calls: int, device, iters: int, cap: int) -> dict:
             else:
                 t0 = time.perf_counter()
             for off, n in plan:
-                dst[off:off + n].copy_(src[off:off + n])
+                dst[off : off + n].copy_(src[off : off + n])
             if device.type == "cuda":
                 end.record()
                 end.synchronize()
@@ -376,9 +440,14 @@ def time_copies(nbytes: int, calls: int, device, iters: int, cap: int) -> dict:
                 samples.append(s)
         return statistics.median(samples)
 
-    out = {"bytes": nbytes, "calls": calls, "piece_bytes": piece,
-           "one_copy_s": timed(pieces(src.numel())), "per_call_s": timed(pieces(piece))}
-    del src, dst
+    out = {
+        "bytes": nbytes,
+        "calls": calls,
+        "piece_bytes": piece,
+        "one_copy_s": timed(pieces(src.numel())),
+        "per_call_s": timed(pieces(piece)),
+    }
+    src = dst = None
     return out
 
 
@@ -389,10 +458,22 @@ def reference(args, device, moved) -> dict:
         sync(device)
         dist.barrier()
         if r == dist.get_rank():
-            out = {"gathered": time_copies(moved["bytes_fetched"], moved["keyed_gathers"], device,
-                                           args.copy_iters, args.copy_cap_mib * MiB),
-                   "pushed": time_copies(moved["bytes_pushed"], moved["keyed_reduce_scatters"],
-                                         device, args.copy_iters, args.copy_cap_mib * MiB)}
+            out = {
+                "gathered": time_copies(
+                    moved["bytes_fetched"],
+                    moved["keyed_gathers"],
+                    device,
+                    args.copy_iters,
+                    args.copy_cap_mib * MiB,
+                ),
+                "pushed": time_copies(
+                    moved["bytes_pushed"],
+                    moved["keyed_reduce_scatters"],
+                    device,
+                    args.copy_iters,
+                    args.copy_cap_mib * MiB,
+                ),
+            }
             sync(device)
     dist.barrier()
     return out
@@ -402,62 +483,86 @@ def summarize(cfg, per_rank) -> dict:
     """Slowest rank per minibatch, median over minibatches; GPU categories per minibatch."""
     n = len(per_rank[0][cfg]["rows"])
     walls = [max(r[cfg]["rows"][i]["wall_s"] for r in per_rank) for i in range(n)]
-    out = {"minibatch_s_median": statistics.median(walls), "minibatch_s": walls,
-           "minibatch_s_min": min(walls)}
+    out = {
+        "minibatch_s_median": statistics.median(walls),
+        "minibatch_s": walls,
+        "minibatch_s_min": min(walls),
+    }
     for phase in ("micro_s", "barrier_s", "step_s"):
         out[phase + "_median"] = statistics.median(
-            max(r[cfg]["rows"][i][phase] for r in per_rank) for i in range(n))
+            max(r[cfg]["rows"][i][phase] for r in per_rank) for i in range(n)
+        )
     if all("odc_host_s" in row for r in per_rank for row in r[cfg]["rows"]):
         # Unprofiled: per rank, the median over the measured minibatches of ODC's host time
         # outside the barrier's waits; the worst rank against the median minibatch.
-        own = [statistics.median(row["odc_host_s"] - row["odc_host_wait_s"]
-                                 for row in r[cfg]["rows"]) for r in per_rank]
+        own = [
+            statistics.median(row["odc_host_s"] - row["odc_host_wait_s"] for row in r[cfg]["rows"])
+            for r in per_rank
+        ]
         out["host_odc_unprofiled_ms_per_rank"] = [1e3 * x for x in own]
         out["host_odc_unprofiled_waits_ms_per_rank"] = [
             1e3 * statistics.median(row["odc_host_wait_s"] for row in r[cfg]["rows"])
-            for r in per_rank]
+            for r in per_rank
+        ]
         out["host_odc_unprofiled_share_max"] = max(own) / out["minibatch_s_median"]
         rows0 = per_rank[0][cfg]["rows"]
         if all("odc_host_by_kind_s" in row for r in per_rank for row in r[cfg]["rows"]):
             # per entry point, medians over the minibatches, less the waits inside it
             def kind_ms(rows, kind):
                 return 1e3 * statistics.median(
-                    row["odc_host_by_kind_s"][kind]
-                    - row["odc_host_waits_by_kind_s"].get(kind, 0.0) for row in rows)
+                    row["odc_host_by_kind_s"][kind] - row["odc_host_waits_by_kind_s"].get(kind, 0.0)
+                    for row in rows
+                )
+
             out["host_odc_unprofiled_by_kind_ms_per_rank"] = [
                 {k: kind_ms(r[cfg]["rows"], k) for k in rows0[0]["odc_host_by_kind_s"]}
-                for r in per_rank]
+                for r in per_rank
+            ]
         if all("odc_cpp_host_s" in row for r in per_rank for row in r[cfg]["rows"]):
             out["host_odc_cpp_ms_per_rank"] = [  # less the publish waits, inside C++ too
-                {k: 1e3 * statistics.median(
-                    row["odc_cpp_host_s"][k] - row["odc_host_waits_by_kind_s"].get(k, 0.0)
-                    for row in r[cfg]["rows"]) for k in rows0[0]["odc_cpp_host_s"]}
-                for r in per_rank]
+                {
+                    k: 1e3
+                    * statistics.median(
+                        row["odc_cpp_host_s"][k] - row["odc_host_waits_by_kind_s"].get(k, 0.0)
+                        for row in r[cfg]["rows"]
+                    )
+                    for k in rows0[0]["odc_cpp_host_s"]
+                }
+                for r in per_rank
+            ]
     gpus = [r[cfg]["profiled"]["gpu"] for r in per_rank]
     if all(g is not None for g in gpus):
-        out["gpu_ms_per_rank"] = [{k: v / 1e3 for k, v in g["by_category_us"].items()}
-                                  | {"total": g["total_us"] / 1e3} for g in gpus]
-        out["gpu_ms_mean"] = {k: statistics.mean(g[k] for g in out["gpu_ms_per_rank"])
-                              for k in out["gpu_ms_per_rank"][0]}
+        out["gpu_ms_per_rank"] = [
+            {k: v / 1e3 for k, v in g["by_category_us"].items()} | {"total": g["total_us"] / 1e3}
+            for g in gpus
+        ]
+        out["gpu_ms_mean"] = {
+            k: statistics.mean(g[k] for g in out["gpu_ms_per_rank"])
+            for k in out["gpu_ms_per_rank"][0]
+        }
         for key in ("odc_share", "odc_with_other_share", "nccl_share"):
             out[key + "_per_rank"] = [g[key] for g in gpus]
             out[key + "_max"] = max(g[key] or 0.0 for g in gpus)
         out["odc_other_by_range_ms_per_rank"] = [
-            {k: v / 1e3 for k, v in g["odc_other_by_range_us"].items()} for g in gpus]
+            {k: v / 1e3 for k, v in g["odc_other_by_range_us"].items()} for g in gpus
+        ]
         out["unmatched_launches_per_rank"] = [g["unmatched_launches"] for g in gpus]
         out["activities_per_rank"] = [g["activities"] for g in gpus]
     hosts = [r[cfg]["profiled"]["host_odc"] for r in per_rank]
     out["host_odc_ms_per_rank"] = [h["total_us"] / 1e3 for h in hosts]
     out["host_odc_waits_ms_per_rank"] = [h.get("waits_us", 0.0) / 1e3 for h in hosts]
     out["host_odc_outside_waits_ms_per_rank"] = [
-        h.get("outside_waits_us", h["total_us"]) / 1e3 for h in hosts]
+        h.get("outside_waits_us", h["total_us"]) / 1e3 for h in hosts
+    ]
     # ODC's own host work against the minibatch: its profiled time (the profiler inflates every
     # range) over the median measured minibatch (not inflated), i.e. an upper bound.
     out["host_odc_outside_waits_share_max"] = (
-        max(out["host_odc_outside_waits_ms_per_rank"]) / 1e3 / out["minibatch_s_median"])
+        max(out["host_odc_outside_waits_ms_per_rank"]) / 1e3 / out["minibatch_s_median"]
+    )
     out["host_odc_by_kind_ms_per_rank"] = [
         {k: {"ms": v["us"] / 1e3, "calls": v["calls"]} for k, v in h["by_kind"].items()}
-        for h in hosts]
+        for h in hosts
+    ]
     out["profiled_minibatch_wall_s"] = max(r[cfg]["profiled"]["row"]["wall_s"] for r in per_rank)
     out["allocator_peak_bytes_per_rank"] = [r[cfg]["allocator_peak_bytes"] for r in per_rank]
     out["n_params"] = per_rank[0][cfg]["n_params"]
@@ -467,8 +572,11 @@ def summarize(cfg, per_rank) -> dict:
 def make_result(per_rank, configs, title, device_type, shared, env) -> dict:
     """What rank 0 writes: the summary per configuration and every rank's bytes and copies."""
     return {
-        "title": title, "device_type": device_type, "world": len(per_rank),
-        "ranks_share_a_gpu": shared, "environment": env,
+        "title": title,
+        "device_type": device_type,
+        "world": len(per_rank),
+        "ranks_share_a_gpu": shared,
+        "environment": env,
         "configs": {cfg: summarize(cfg, per_rank) for cfg in configs},
         "moved_per_rank": [r["odc"]["moved"] for r in per_rank],
         "reference_per_rank": [r["reference"] for r in per_rank],
@@ -487,9 +595,15 @@ def environment(args, world, device, gpus) -> dict:
     def dirty():
         """Whether tracked files differ from the commit (None: no git)."""
         try:
-            return bool(subprocess.run(
-                ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True, text=True, check=True, timeout=20).stdout.strip())
+            return bool(
+                subprocess.run(
+                    ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=20,
+                ).stdout.strip()
+            )
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -503,7 +617,8 @@ def environment(args, world, device, gpus) -> dict:
         "gpus_visible": gpus,
         "cpus": os.cpu_count(),
         "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-        if cuda else None,
+        if cuda
+        else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         # ODC_GIT_COMMIT: a tree copied without its .git (device runs of `git archive`).
@@ -522,16 +637,19 @@ def plot(result, path):
 
     configs = list(result["configs"])
     palette = plt.get_cmap("tab20")
-    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={
-        "width_ratios": [max(2, len(configs)), 3, 2]})
+    fig, (ax, ax2, ax3) = plt.subplots(
+        1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [max(2, len(configs)), 3, 2]}
+    )
     top = 0.0
     for i, cfg in enumerate(configs):
         s = result["configs"][cfg]
         gpu = s.get("gpu_ms_mean")
         if gpu is None:  # CPU: the phases of the minibatch on the host clock
-            parts = [("microbatches", s["micro_s_median"] * 1e3),
-                     ("barrier", s["barrier_s_median"] * 1e3),
-                     ("optimizer step", s["step_s_median"] * 1e3)]
+            parts = [
+                ("microbatches", s["micro_s_median"] * 1e3),
+                ("barrier", s["barrier_s_median"] * 1e3),
+                ("optimizer step", s["step_s_median"] * 1e3),
+            ]
         else:
             parts = [(c, gpu[c]) for c in CATEGORIES if gpu[c] > 0]
         bottom = 0.0
@@ -546,8 +664,11 @@ def plot(result, path):
         top = max(top, bottom)
     ax.set_ylim(0, top * 1.18)
     ax.set_xticks(range(len(configs)), configs)
-    ax.set_ylabel("GPU ms per minibatch (mean over ranks)" if result["device_type"] == "cuda"
-                  else "host ms per minibatch (CPU run)")
+    ax.set_ylabel(
+        "GPU ms per minibatch (mean over ranks)"
+        if result["device_type"] == "cuda"
+        else "host ms per minibatch (CPU run)"
+    )
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="lower right")
@@ -557,10 +678,14 @@ def plot(result, path):
     # Middle: ODC's kernels vs a plain copy of the same bytes (rank 0).
     gpu = (odc.get("gpu_ms_per_rank") or [None])[0]
     bars = []
-    for what, kern, color in (("gathered", "odc_gather", palette(0)),
-                              ("pushed", "odc_push", palette(2))):
-        bars += [(f"{what}:\none copy", ref[what]["one_copy_s"] * 1e3, "0.6"),
-                 (f"{what}:\n{ref[what]['calls']} copies", ref[what]["per_call_s"] * 1e3, "0.6")]
+    for what, kern, color in (
+        ("gathered", "odc_gather", palette(0)),
+        ("pushed", "odc_push", palette(2)),
+    ):
+        bars += [
+            (f"{what}:\none copy", ref[what]["one_copy_s"] * 1e3, "0.6"),
+            (f"{what}:\n{ref[what]['calls']} copies", ref[what]["per_call_s"] * 1e3, "0.6"),
+        ]
         if gpu:
             bars.append((f"{kern}\nkernels", gpu[kern], color))
     for k, (label, v, color) in enumerate(bars):
@@ -569,18 +694,18 @@ def plot(result, path):
     ax2.set_ylim(0, max(v for _, v, _ in bars) * 1.12 or 1.0)
     ax2.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax2.set_ylabel("ms per minibatch, rank 0")
-    ax2.set_title(f"bytes moved by rank 0: {ref['gathered']['bytes'] / MiB:.1f} MiB gathered, "
-                  f"{ref['pushed']['bytes'] / MiB:.1f} MiB pushed; plain copies (grey)",
-                  fontsize=9)
+    ax2.set_title(
+        f"bytes moved by rank 0: {ref['gathered']['bytes'] / MiB:.1f} MiB gathered, "
+        f"{ref['pushed']['bytes'] / MiB:.1f} MiB pushed; plain copies (grey)",
+        fontsize=9,
+    )
     # Right: host time inside ODC calls by kind (rank 0; nested kinds each in full).
     kinds = odc["host_odc_by_kind_ms_per_rank"][0]
     names = sorted(kinds)
     ax3.barh(range(len(names)), [kinds[n]["ms"] for n in names], color=palette(6))
-    ax3.set_yticks(range(len(names)), [f"{n} ({kinds[n]['calls']})" for n in names],
-                   fontsize=7)
+    ax3.set_yticks(range(len(names)), [f"{n} ({kinds[n]['calls']})" for n in names], fontsize=7)
     ax3.set_xlabel("host ms per minibatch, rank 0 (calls)")
-    ax3.set_title(f"host in ODC calls: {odc['host_odc_ms_per_rank'][0]:.1f} ms in all",
-                  fontsize=9)
+    ax3.set_title(f"host in ODC calls: {odc['host_odc_ms_per_rank'][0]:.1f} ms in all", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -588,35 +713,74 @@ def plot(result, path):
 
 def table(result) -> str:
     configs = list(result["configs"])
-    rows = [("minibatch s (median, slowest rank)",
-             [f"{result['configs'][c]['minibatch_s_median']:.3f}" for c in configs]),
-            *[(f"  {label} s", [f"{result['configs'][c][p + '_median']:.3f}" for c in configs])
-              for label, p in (("microbatches", "micro_s"), ("barrier", "barrier_s"),
-                               ("optimizer step", "step_s"))]]
+    rows = [
+        (
+            "minibatch s (median, slowest rank)",
+            [f"{result['configs'][c]['minibatch_s_median']:.3f}" for c in configs],
+        ),
+        *[
+            (f"  {label} s", [f"{result['configs'][c][p + '_median']:.3f}" for c in configs])
+            for label, p in (
+                ("microbatches", "micro_s"),
+                ("barrier", "barrier_s"),
+                ("optimizer step", "step_s"),
+            )
+        ],
+    ]
     gpu = [result["configs"][c].get("gpu_ms_mean") for c in configs]
     if any(gpu):
-        rows.append(("GPU ms per minibatch (mean of ranks)",
-                     [f"{g['total']:.1f}" if g else "-" for g in gpu]))
+        rows.append(
+            (
+                "GPU ms per minibatch (mean of ranks)",
+                [f"{g['total']:.1f}" if g else "-" for g in gpu],
+            )
+        )
         for cat in CATEGORIES:
             if any(g and g[cat] > 0 for g in gpu):
                 rows.append((f"  {cat}", [f"{g[cat]:.2f}" if g else "-" for g in gpu]))
-        share = [result["configs"][c]["odc_share_max" if c == "odc" else "nccl_share_max"]
-                 for c in configs]  # ODC's: at most 10% (issue 23)
+        share = [
+            result["configs"][c]["odc_share_max" if c == "odc" else "nccl_share_max"]
+            for c in configs
+        ]  # ODC's: at most 10% (issue 23)
         rows.append(("comm. kernels share (worst rank)", [f"{x:.1%}" for x in share]))
-        rows.append(("  with ODC's other device work",
-                     [f"{result['configs'][c]['odc_with_other_share_max']:.1%}"
-                      if c == "odc" else "-" for c in configs]))
-    rows.append(("host ms in ODC calls (max rank)",
-                 [f"{max(result['configs'][c]['host_odc_ms_per_rank']):.1f}"
-                  if c == "odc" else "-" for c in configs]))
+        rows.append(
+            (
+                "  with ODC's other device work",
+                [
+                    f"{result['configs'][c]['odc_with_other_share_max']:.1%}" if c == "odc" else "-"
+                    for c in configs
+                ],
+            )
+        )
+    rows.append(
+        (
+            "host ms in ODC calls (max rank)",
+            [
+                f"{max(result['configs'][c]['host_odc_ms_per_rank']):.1f}" if c == "odc" else "-"
+                for c in configs
+            ],
+        )
+    )
     if "host_odc_unprofiled_ms_per_rank" in result["configs"].get("odc", {}):
         odc_cfg = result["configs"]["odc"]
-        rows.append(("ODC host ms outside waits, unprofiled (max)",
-                     [f"{max(odc_cfg['host_odc_unprofiled_ms_per_rank']):.1f}"
-                      if c == "odc" else "-" for c in configs]))
-        rows.append(("  share of the minibatch",
-                     [f"{odc_cfg['host_odc_unprofiled_share_max']:.2%}"
-                      if c == "odc" else "-" for c in configs]))
+        rows.append(
+            (
+                "ODC host ms outside waits, unprofiled (max)",
+                [
+                    f"{max(odc_cfg['host_odc_unprofiled_ms_per_rank']):.1f}" if c == "odc" else "-"
+                    for c in configs
+                ],
+            )
+        )
+        rows.append(
+            (
+                "  share of the minibatch",
+                [
+                    f"{odc_cfg['host_odc_unprofiled_share_max']:.2%}" if c == "odc" else "-"
+                    for c in configs
+                ],
+            )
+        )
         cpp = odc_cfg.get("host_odc_cpp_ms_per_rank")
         cpp_kind = {"gather": "gather", "push": "push", "root_pre_forward": "publish"}
         for kind in (odc_cfg.get("host_odc_unprofiled_by_kind_ms_per_rank") or [{}])[0]:
@@ -624,16 +788,34 @@ def table(result) -> str:
             text = f"{worst:.2f}"
             if cpp and kind in cpp_kind:  # of which in the C++ of the keyed calls
                 text += f" ({max(r[cpp_kind[kind]] for r in cpp):.2f})"
-            rows.append((f"    {kind} ms, unprofiled (max; C++ part)",
-                         [text if c == "odc" else "-" for c in configs]))
+            rows.append(
+                (
+                    f"    {kind} ms, unprofiled (max; C++ part)",
+                    [text if c == "odc" else "-" for c in configs],
+                )
+            )
     if "host_odc_outside_waits_ms_per_rank" in result["configs"].get("odc", {}):
         odc_cfg = result["configs"]["odc"]
-        rows.append(("  outside the barrier's waits, profiled (max)",
-                     [f"{max(odc_cfg['host_odc_outside_waits_ms_per_rank']):.1f}"
-                      if c == "odc" else "-" for c in configs]))
-        rows.append(("  share of the minibatch",
-                     [f"{odc_cfg['host_odc_outside_waits_share_max']:.2%}"
-                      if c == "odc" else "-" for c in configs]))
+        rows.append(
+            (
+                "  outside the barrier's waits, profiled (max)",
+                [
+                    f"{max(odc_cfg['host_odc_outside_waits_ms_per_rank']):.1f}"
+                    if c == "odc"
+                    else "-"
+                    for c in configs
+                ],
+            )
+        )
+        rows.append(
+            (
+                "  share of the minibatch",
+                [
+                    f"{odc_cfg['host_odc_outside_waits_share_max']:.2%}" if c == "odc" else "-"
+                    for c in configs
+                ],
+            )
+        )
     odc_kinds = result["configs"].get("odc", {}).get("host_odc_by_kind_ms_per_rank")
     if odc_kinds:
         worst = {}
@@ -643,9 +825,15 @@ def table(result) -> str:
                 if per_call > worst.get(kind, (0.0, 0))[0]:
                     worst[kind] = (per_call, v["calls"])
         for kind in sorted(worst):
-            rows.append((f"  us per {kind} (worst rank, calls)",
-                         [f"{worst[kind][0]:.1f} ({worst[kind][1]})" if c == "odc" else "-"
-                          for c in configs]))
+            rows.append(
+                (
+                    f"  us per {kind} (worst rank, calls)",
+                    [
+                        f"{worst[kind][0]:.1f} ({worst[kind][1]})" if c == "odc" else "-"
+                        for c in configs
+                    ],
+                )
+            )
     width = max(len(r[0]) for r in rows) + 2
     lines = [result["title"], f"{'':<{width}}" + "".join(f"{c:>14}" for c in configs)]
     lines += [f"{name:<{width}}" + "".join(f"{v:>14}" for v in vals) for name, vals in rows]
@@ -656,9 +844,11 @@ def table(result) -> str:
         for what, kern in (("gathered", "odc_gather"), ("pushed", "odc_push")):
             r = ref[what]
             have = f"{kern} kernels {g[kern]:.2f} ms vs " if g else ""
-            lines.append(f"rank 0 {what} {r['bytes'] / MiB:.1f} MiB in {r['calls']} calls: "
-                         f"{have}plain copy {r['one_copy_s'] * 1e3:.2f} ms "
-                         f"({r['per_call_s'] * 1e3:.2f} ms in {r['calls']} pieces)")
+            lines.append(
+                f"rank 0 {what} {r['bytes'] / MiB:.1f} MiB in {r['calls']} calls: "
+                f"{have}plain copy {r['one_copy_s'] * 1e3:.2f} ms "
+                f"({r['per_call_s'] * 1e3:.2f} ms in {r['calls']} pieces)"
+            )
     return "\n".join(lines)
 
 
@@ -673,16 +863,28 @@ def main():
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=4096, help="tokens per microbatch")
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per rank")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing of every layer")
+    p.add_argument(
+        "--checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="activation checkpointing of every layer",
+    )
     p.add_argument("--warmup", type=int, default=2, help="minibatches before the measured ones")
     p.add_argument("--minibatches", type=int, default=8, help="measured minibatches")
-    p.add_argument("--baseline", choices=["auto", "on", "off"], default="auto",
-                   help="also run plain FSDP2 over NCCL (gloo on CPU); auto: when every rank "
-                        "has a GPU of its own")
+    p.add_argument(
+        "--baseline",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="also run plain FSDP2 over NCCL (gloo on CPU); auto: when every rank "
+        "has a GPU of its own",
+    )
     p.add_argument("--copy-iters", type=int, default=10)
-    p.add_argument("--copy-cap-mib", type=int, default=1024,
-                   help="largest copy buffer of the reference (a larger total cycles it)")
+    p.add_argument(
+        "--copy-cap-mib",
+        type=int,
+        default=1024,
+        help="largest copy buffer of the reference (a larger total cycles it)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None)
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
@@ -704,29 +906,42 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend="odc", timeout=datetime.timedelta(minutes=5))
     rank = dist.get_rank()
-    baseline = args.baseline == "on" or (args.baseline == "auto" and own_gpu
-                                         and args.device == "cuda")
+    baseline = args.baseline == "on" or (
+        args.baseline == "auto" and own_gpu and args.device == "cuda"
+    )
     if baseline and not own_gpu:
         raise SystemExit("--baseline on needs a GPU per rank (NCCL refuses ranks sharing one)")
     configs = {"odc": dist.group.WORLD}
     if baseline:
         configs["nccl" if args.device == "cuda" else "gloo"] = dist.new_group(
-            backend="nccl" if args.device == "cuda" else "gloo")
+            backend="nccl" if args.device == "cuda" else "gloo"
+        )
     res = {cfg: run_config(cfg, args, device, group) for cfg, group in configs.items()}
     res["reference"] = reference(args, device, res["odc"]["moved"])
     per_rank = [None] * world
     dist.all_gather_object(per_rank, res)
     if rank == 0:
         share = "sharing " if not own_gpu else ""
-        where = (f"{world} ranks {share}on {min(gpus, world)} x "
-                 f"{torch.cuda.get_device_name(device)}" if args.device == "cuda"
-                 else f"{world} CPU ranks")
-        title = (f"{args.layers} layers x {args.dim}, {args.microbatches} x {args.seq} tokens "
-                 f"per rank, {where}")
-        result = make_result(per_rank, list(configs), title, args.device, not own_gpu,
-                             environment(args, world, device, gpus))
-        tag = args.tag or (f"{min(gpus, world)}gpu_{world}ranks" if args.device == "cuda"
-                           else f"{world}cpu")
+        where = (
+            f"{world} ranks {share}on {min(gpus, world)} x {torch.cuda.get_device_name(device)}"
+            if args.device == "cuda"
+            else f"{world} CPU ranks"
+        )
+        title = (
+            f"{args.layers} layers x {args.dim}, {args.microbatches} x {args.seq} tokens "
+            f"per rank, {where}"
+        )
+        result = make_result(
+            per_rank,
+            list(configs),
+            title,
+            args.device,
+            not own_gpu,
+            environment(args, world, device, gpus),
+        )
+        tag = args.tag or (
+            f"{min(gpus, world)}gpu_{world}ranks" if args.device == "cuda" else f"{world}cpu"
+        )
         os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, f"step_{tag}")
         with open(base + ".json", "w") as f:

@@ -33,10 +33,23 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # machine policy: never NVLink m
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
-OPS = ("nccl_allgather", "odc_gather", "odc_publish_gather", "odc_publish_gather_aligned",
-       "odc_gather_after_publish", "nccl_reducescatter", "odc_push", "nccl_reducescatter_bf16",
-       "odc_push_bf16", "copy_gather", "copy_push", "memcpy_gather", "memcpy_push",
-       "ipc_copy_gather", "ipc_add_push")
+OPS = (
+    "nccl_allgather",
+    "odc_gather",
+    "odc_publish_gather",
+    "odc_publish_gather_aligned",
+    "odc_gather_after_publish",
+    "nccl_reducescatter",
+    "odc_push",
+    "nccl_reducescatter_bf16",
+    "odc_push_bf16",
+    "copy_gather",
+    "copy_push",
+    "memcpy_gather",
+    "memcpy_push",
+    "ipc_copy_gather",
+    "ipc_add_push",
+)
 GATHER_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 PUSHES = 3  # pushes per minibatch in the accumulate check
 RATIOS = {  # ratio name: (odc op, NCCL op it is compared with, done-when target or None)
@@ -233,9 +246,10 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
     for name, nbytes in (("gather", (world - 1) * size), ("push", world * size)):
         src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         dst = torch.empty_like(src)
-        times[f"copy_{name}"] = time_op(lambda: torch.mul(src, 1.0, out=dst), args.iters,
-                                        args.warmup)
-        times[f"memcpy_{name}"] = time_op(lambda: dst.copy_(src), args.iters, args.warmup)
+        times[f"copy_{name}"] = time_op(
+            lambda s=src, d=dst: torch.mul(s, 1.0, out=d), args.iters, args.warmup
+        )
+        times[f"memcpy_{name}"] = time_op(lambda s=src, d=dst: d.copy_(s), args.iters, args.warmup)
         del src, dst
     try:
         views = ipc_views(world, rank, size, device)
@@ -255,7 +269,7 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
         times["ipc_copy_gather"] = time_op(ipc_copy, args.iters, args.warmup)
         times["ipc_add_push"] = time_op(ipc_add, args.iters, args.warmup)
         torch.cuda.synchronize()
-        del views, peers, out
+        views = peers = out = None
     except Exception as err:  # noqa: BLE001  (a reference only: recorded, the rest runs)
         diag["ipc_reference_error"] = f"{type(err).__name__}: {err}"
         torch.cuda.synchronize()
@@ -286,9 +300,7 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
             checks["gather_steady_bitwise"] = torch.equal(
                 out_odc.view(torch.int16), out_nccl.view(torch.int16)
             )
-        times["odc_gather"] = time_op(
-            lambda: odc.gather(k, out_odc, own), args.iters, args.warmup
-        )
+        times["odc_gather"] = time_op(lambda: odc.gather(k, out_odc, own), args.iters, args.warmup)
         # Publish + gather: the first gather of a minibatch, one barrier cycle per sample. As the
         # ranks leave the barrier (includes waiting for a peer that leaves it later) and with
         # the ranks aligned to the microsecond first (the operation's own cost).
@@ -337,8 +349,9 @@ def bench_size(k, size, world, rank, odc, nccl, args, device) -> tuple:
             checks["push_bf16_accumulate_exact"] = torch.equal(odc.backend._accumulator(k), want)
         finally:
             odc.release()
-        times["odc_push_bf16"] = time_op(lambda: odc.push(k, rs_out16, rs_in16), args.iters,
-                                         args.warmup)
+        times["odc_push_bf16"] = time_op(
+            lambda: odc.push(k, rs_out16, rs_in16), args.iters, args.warmup
+        )
         odc.barrier()
     except Exception as err:  # noqa: BLE001  (recorded; the NCCL numbers still count)
         error = f"{type(err).__name__}: {err}"
@@ -467,8 +480,9 @@ def main() -> None:
     rows, ratios, checks, publish, ipc_errors = [], [], [], [], []
     for k, size in enumerate(sizes):
         times, ok, error, diag = bench_size(k, size, world, rank, odc, nccl, args, device)
-        if ipc_error := first_error(f"IPC references at {size // MB} MiB",
-                                    diag.get("ipc_reference_error")):
+        if ipc_error := first_error(
+            f"IPC references at {size // MB} MiB", diag.get("ipc_reference_error")
+        ):
             ipc_errors.append(ipc_error)
         if odc is not None and (error := first_error(f"size {size // MB} MiB", error)):
             odc_error, odc = odc_error or error, None  # NCCL numbers continue without odc
@@ -493,10 +507,14 @@ def main() -> None:
         median = {r["op"]: r["ms_median"] for r in rows if r["size_bytes"] == size}
         ratios.append(
             {"size_bytes": size}
-            | {r: busbw[o] / busbw[n] if o in busbw and n in busbw else None
-               for r, (o, n, _) in RATIOS.items()}
-            | {r: median[o] / median[c] if o in median and c in median else None
-               for r, (o, c) in VS_COPY.items()}
+            | {
+                r: busbw[o] / busbw[n] if o in busbw and n in busbw else None
+                for r, (o, n, _) in RATIOS.items()
+            }
+            | {
+                r: median[o] / median[c] if o in median and c in median else None
+                for r, (o, c) in VS_COPY.items()
+            }
         )
         # The publishing gather: how late the last rank started each sample (barrier exit skew)
         # and the host time of the call, next to the device times.
@@ -564,8 +582,10 @@ def main() -> None:
         with open(stem + ".json", "w") as f:
             json.dump(result, f, indent=1)
         plot(rows, ratios, world, stem + ".png")
-        print(f"\n{world} x {torch.cuda.get_device_name()}; torch_odc from "
-              f"{result['environment']['torch_odc']}; wrote {stem}.json and .png")
+        print(
+            f"\n{world} x {torch.cuda.get_device_name()}; torch_odc from "
+            f"{result['environment']['torch_odc']}; wrote {stem}.json and .png"
+        )
         if odc_error:
             print(f"odc error (full text in the JSON): {odc_error.splitlines()[0]}")
         for e in ipc_errors:
@@ -588,10 +608,12 @@ def main() -> None:
             print(f"{r['size_bytes'] // MB:>5}MiB  {vals}")
         for p in publish:
             med = statistics.median
-            print(f"{p['size_bytes'] // MB:>5}MiB publish gather: start skew median "
-                  f"{med(p['start_skew_ms_unaligned']):.3f} ms (aligned "
-                  f"{med(p['start_skew_ms_aligned']):.3f}); host call median "
-                  f"{med(p['host_call_ms_per_rank'][0]):.3f} ms")
+            print(
+                f"{p['size_bytes'] // MB:>5}MiB publish gather: start skew median "
+                f"{med(p['start_skew_ms_unaligned']):.3f} ms (aligned "
+                f"{med(p['start_skew_ms_aligned']):.3f}); host call median "
+                f"{med(p['host_call_ms_per_rank'][0]):.3f} ms"
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -113,9 +113,11 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
         "tokens_per_step": tokens / len(steps),
     }
     if any("rollout_seconds" in s for s in steps):
-        out.update(rollout_seconds_per_step=rollout / len(steps),
-                   update_seconds_per_step=(seconds - rollout) / len(steps),
-                   update_tokens_per_s_per_gpu=tokens / (seconds - rollout) / world)
+        out.update(
+            rollout_seconds_per_step=rollout / len(steps),
+            update_seconds_per_step=(seconds - rollout) / len(steps),
+            update_tokens_per_s_per_gpu=tokens / (seconds - rollout) / world,
+        )
     if steps and "jit_seconds" in steps[0]:
         # Triton compilation (docs/examples/_step_probe.py): once per machine, so also the
         # rates without it (the steady state a long run sees).
@@ -123,8 +125,12 @@ def _rates(steps: list[dict], world: int, unit: str) -> dict:
         out.update(jit_seconds=jit, steady_tokens_per_s_per_gpu=tokens / (seconds - jit) / world)
         if "update_tokens_per_s_per_gpu" in out:
             update_jit = jit - sum(s.get("rollout_jit_seconds", 0.0) for s in steps)
-            out.update(update_jit_seconds=update_jit, steady_update_tokens_per_s_per_gpu=(
-                tokens / (seconds - rollout - update_jit) / world))
+            out.update(
+                update_jit_seconds=update_jit,
+                steady_update_tokens_per_s_per_gpu=(
+                    tokens / (seconds - rollout - update_jit) / world
+                ),
+            )
     if steps and "microbatches" in steps[0]:
         out["microbatches_per_rank"] = [s["microbatches"] for s in steps]
         out["caps"] = [s.get("cap") for s in steps]
@@ -149,8 +155,11 @@ def fixed_cost_bound(odc_steps: list[dict], plain_steps: list[dict]) -> dict | N
     record, with fewer than 3 steps, or when the line does not explain the steps (r2 below 0.8,
     or a negative fixed part: steps whose time is not their padded tokens', e.g. host-bound)."""
     plain_by_step = {s["step"]: s for s in plain_steps}
-    pairs = [(o, plain_by_step[o["step"]]) for o in odc_steps
-             if o["step"] in plain_by_step and "padded_per_rank" in o]
+    pairs = [
+        (o, plain_by_step[o["step"]])
+        for o in odc_steps
+        if o["step"] in plain_by_step and "padded_per_rank" in o
+    ]
     if len(pairs) < 3:
         return None
 
@@ -177,9 +186,13 @@ def fixed_cost_bound(odc_steps: list[dict], plain_steps: list[dict]) -> dict | N
     def line(xs):
         return sum(fixed + slope * a for a in xs)
 
-    return {"fixed_seconds": fixed, "seconds_per_1k_padded_tokens": 1000 * slope,
-            "r2": r2, "points": n,
-            "bound": line(xs_plain) / line(xs_odc)}
+    return {
+        "fixed_seconds": fixed,
+        "seconds_per_1k_padded_tokens": 1000 * slope,
+        "r2": r2,
+        "points": n,
+        "bound": line(xs_plain) / line(xs_odc),
+    }
 
 
 # In a variant's arguments: PAD becomes the tuned multiple (--pad-multiple, default ODC's own,
@@ -192,7 +205,7 @@ BASELINES = ("plain", "plain-tuned", "plain-padfree")
 # What each variant sets, for the record (the example's meta["config"] is what reached it).
 VARIANT_SETS = {
     "odc": "odc_trainer(...), the derived cap, ODCConfig.pad_to_multiple_of as --pad-multiple "
-           "(default None: ODC's own derivation)",
+    "(default None: ODC's own derivation)",
     "plain": "the unmodified trainer with its defaults (pad_to_multiple_of None, padded rows)",
     "plain-tuned": "the unmodified trainer with pad_to_multiple_of={pad} (ODC's multiple)",
     "odc-padfree": "odc_trainer(...) with padding_free=True (ODC's multiple 1: rows concatenated)",
@@ -238,65 +251,204 @@ def headline(rates: dict, key: str) -> dict | None:
         return None
     odc = max(odcs, key=lambda v: rates[v][key])
     base = max(bases, key=lambda v: rates[v][key])
-    return {"odc_variant": odc, "baseline": base, "speedup": rates[odc][key] / rates[base][key],
-            "speedup_vs": {b: rates[odc][key] / rates[b][key] for b in bases}}
+    return {
+        "odc_variant": odc,
+        "baseline": base,
+        "speedup": rates[odc][key] / rates[base][key],
+        "speedup_vs": {b: rates[odc][key] / rates[b][key] for b in bases},
+    }
 
 
-SFT_GPU = ["--size", "1b", "--steps", "14", "--per-device-batch", "2", "--accumulation", "4",
-           "--min-len", "128", "--max-len", "8192"]
+SFT_GPU = [
+    "--size",
+    "1b",
+    "--steps",
+    "14",
+    "--per-device-batch",
+    "2",
+    "--accumulation",
+    "4",
+    "--min-len",
+    "128",
+    "--max-len",
+    "8192",
+]
 MODES: dict[str, Mode] = {
     "sft": Mode(
-        example="docs/examples/trl_sft.py", log_name="trl_sft_log.json", gpu_args=SFT_GPU,
-        cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
-                  "--accumulation", "2", "--min-len", "16", "--max-len", "512"],
-        variants={"odc": [ODC_PAD], "plain": ["--no-odc"],
-                  "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD],
-                  # padding-free (SFTConfig.padding_free): rows concatenated, position_ids
-                  "odc-padfree": ["--padding-free"],
-                  "plain-padfree": ["--no-odc", "--padding-free"]},
-        unit="sequences", default_variants=("odc", "plain", "plain-tuned")),
+        example="docs/examples/trl_sft.py",
+        log_name="trl_sft_log.json",
+        gpu_args=SFT_GPU,
+        cpu_args=[
+            "--size",
+            "tiny",
+            "--steps",
+            "4",
+            "--per-device-batch",
+            "2",
+            "--accumulation",
+            "2",
+            "--min-len",
+            "16",
+            "--max-len",
+            "512",
+        ],
+        variants={
+            "odc": [ODC_PAD],
+            "plain": ["--no-odc"],
+            "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD],
+            # padding-free (SFTConfig.padding_free): rows concatenated, position_ids
+            "odc-padfree": ["--padding-free"],
+            "plain-padfree": ["--no-odc", "--padding-free"],
+        },
+        unit="sequences",
+        default_variants=("odc", "plain", "plain-tuned"),
+    ),
     "dpo": Mode(
-        example="docs/examples/trl_dpo.py", log_name="trl_dpo_log.json",
-        gpu_args=["--size", "1b", "--steps", "14", "--per-device-batch", "2",
-                  "--accumulation", "4", "--min-prompt", "32", "--max-prompt", "2048",
-                  "--min-completion", "16", "--max-completion", "2048"],
-        cpu_args=["--size", "tiny", "--steps", "4", "--per-device-batch", "2",
-                  "--accumulation", "2", "--max-prompt", "128", "--max-completion", "128"],
-        variants={"odc": [ODC_PAD], "plain": ["--no-odc"],
-                  "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD]},
-        unit="pairs", default_variants=("odc", "plain", "plain-tuned")),
+        example="docs/examples/trl_dpo.py",
+        log_name="trl_dpo_log.json",
+        gpu_args=[
+            "--size",
+            "1b",
+            "--steps",
+            "14",
+            "--per-device-batch",
+            "2",
+            "--accumulation",
+            "4",
+            "--min-prompt",
+            "32",
+            "--max-prompt",
+            "2048",
+            "--min-completion",
+            "16",
+            "--max-completion",
+            "2048",
+        ],
+        cpu_args=[
+            "--size",
+            "tiny",
+            "--steps",
+            "4",
+            "--per-device-batch",
+            "2",
+            "--accumulation",
+            "2",
+            "--max-prompt",
+            "128",
+            "--max-completion",
+            "128",
+        ],
+        variants={
+            "odc": [ODC_PAD],
+            "plain": ["--no-odc"],
+            "plain-tuned": ["--no-odc", "--trl-pad-to-multiple-of", PAD],
+        },
+        unit="pairs",
+        default_variants=("odc", "plain", "plain-tuned"),
+    ),
     "grpo": Mode(
-        example="docs/examples/trl_grpo.py", log_name="trl_grpo_log.json",
-        gpu_args=["--size", "1b", "--steps", "12", "--per-device-batch", "8",
-                  "--accumulation", "2", "--num-generations", "8", "--min-prompt", "64",
-                  "--max-prompt", "2048", "--max-completion", "32",
-                  "--mean-completion", "16"],
-        cpu_args=["--cpu", "--size", "tiny", "--steps", "3", "--per-device-batch", "4",
-                  "--accumulation", "2", "--num-generations", "4", "--max-prompt", "64",
-                  "--max-completion", "32", "--mean-completion", "12"],
+        example="docs/examples/trl_grpo.py",
+        log_name="trl_grpo_log.json",
+        gpu_args=[
+            "--size",
+            "1b",
+            "--steps",
+            "12",
+            "--per-device-batch",
+            "8",
+            "--accumulation",
+            "2",
+            "--num-generations",
+            "8",
+            "--min-prompt",
+            "64",
+            "--max-prompt",
+            "2048",
+            "--max-completion",
+            "32",
+            "--mean-completion",
+            "16",
+        ],
+        cpu_args=[
+            "--cpu",
+            "--size",
+            "tiny",
+            "--steps",
+            "3",
+            "--per-device-batch",
+            "4",
+            "--accumulation",
+            "2",
+            "--num-generations",
+            "4",
+            "--max-prompt",
+            "64",
+            "--max-completion",
+            "32",
+            "--mean-completion",
+            "12",
+        ],
         # odc-local: ODC without moving rollouts between ranks (does rebalancing pay?).
         # odc-nopad: ODC without its default length padding (128 on GPUs; docs/integrations/trl-grpo.md).
         # plain-tuned: GRPOConfig.pad_to_multiple_of, which rounds the prompt and the completion
         # widths each (ODC makes their sum the multiple, by more left padding).
-        variants={"odc": [ODC_PAD], "plain": ["--plain"],
-                  "plain-tuned": ["--plain", "--trl-pad-to-multiple-of", PAD],
-                  "odc-local": ["--no-rebalance", ODC_PAD],
-                  "odc-nopad": ["--pad-to-multiple-of", "1"]},
-        unit="rollouts", warmup=2, default_variants=("odc", "plain", "plain-tuned")),
+        variants={
+            "odc": [ODC_PAD],
+            "plain": ["--plain"],
+            "plain-tuned": ["--plain", "--trl-pad-to-multiple-of", PAD],
+            "odc-local": ["--no-rebalance", ODC_PAD],
+            "odc-nopad": ["--pad-to-multiple-of", "1"],
+        },
+        unit="rollouts",
+        warmup=2,
+        default_variants=("odc", "plain", "plain-tuned"),
+    ),
     # verl's actor update (TrainingWorker.train_mini_batch, ppo_loss, dynamic batch size):
     # verl's fsdp2 engine on verl's equal-count dispatch vs the odc engine with LB-Mini over the
     # ranks; long-tailed (log-normal) response lengths.
     "verl": Mode(
-        example="docs/examples/verl_ppo.py", log_name="verl_ppo_log.json",
-        gpu_args=["--size", "1b", "--steps", "13", "--warmup", "3", "--batch", "64",
-                  "--prompt", "512", "--response", "2048", "--max-tokens", "8192",
-                  "--lr", "1e-5"],
-        cpu_args=["--size", "tiny", "--steps", "4", "--batch", "16", "--prompt", "16",
-                  "--response", "96", "--max-tokens", "128"],
-        variants={"odc": ["--strategy", "odc", "--balance", "mini"],
-                  "odc-local": ["--strategy", "odc", "--balance", "local"],
-                  "plain": ["--strategy", "fsdp2"]},
-        unit="sequences", python="verl"),
+        example="docs/examples/verl_ppo.py",
+        log_name="verl_ppo_log.json",
+        gpu_args=[
+            "--size",
+            "1b",
+            "--steps",
+            "13",
+            "--warmup",
+            "3",
+            "--batch",
+            "64",
+            "--prompt",
+            "512",
+            "--response",
+            "2048",
+            "--max-tokens",
+            "8192",
+            "--lr",
+            "1e-5",
+        ],
+        cpu_args=[
+            "--size",
+            "tiny",
+            "--steps",
+            "4",
+            "--batch",
+            "16",
+            "--prompt",
+            "16",
+            "--response",
+            "96",
+            "--max-tokens",
+            "128",
+        ],
+        variants={
+            "odc": ["--strategy", "odc", "--balance", "mini"],
+            "odc-local": ["--strategy", "odc", "--balance", "local"],
+            "plain": ["--strategy", "fsdp2"],
+        },
+        unit="sequences",
+        python="verl",
+    ),
 }
 
 
@@ -313,8 +465,10 @@ def _python(mode: Mode) -> str:
     line = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     venv = os.path.join(ROOT, ".venv", f"verl-{line}", "bin", "python")
     if not os.path.exists(venv):
-        raise SystemExit(f"verl's environment {venv} is missing: run `bash .ci/bootstrap test` "
-                         "(it builds it) or set ODC_VERL_PYTHON")
+        raise SystemExit(
+            f"verl's environment {venv} is missing: run `bash .ci/bootstrap test` "
+            "(it builds it) or set ODC_VERL_PYTHON"
+        )
     return venv
 
 
@@ -334,8 +488,10 @@ def _host_cpu() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} logical cores"
@@ -344,8 +500,12 @@ def _host_cpu() -> str:
 def _hardware(cpu: bool) -> str:
     if not cpu:
         try:
-            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                   capture_output=True, text=True, check=True).stdout.split("\n")
+            names = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split("\n")
             return ", ".join(n for n in names if n)
         except (OSError, subprocess.CalledProcessError):
             pass
@@ -358,24 +518,49 @@ def _commit() -> str | None:
     if os.environ.get("ODC_COMMIT"):
         return os.environ["ODC_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
-def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: bool,
-                workdir: str, log, multiple: int = 1,
-                explicit: bool = False) -> tuple[dict, list[str]]:
+def run_variant(
+    mode: Mode,
+    variant: str,
+    nproc: int,
+    extra: list[str],
+    cpu: bool,
+    workdir: str,
+    log,
+    multiple: int = 1,
+    explicit: bool = False,
+) -> tuple[dict, list[str]]:
     out = os.path.join(workdir, variant)
-    cmd = [_python(mode), "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(ROOT, mode.example),
-           *(mode.cpu_args if cpu else mode.gpu_args), *extra,
-           *expand_args(mode.variants[variant], multiple, explicit), "--out", out]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [
+        _python(mode),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, mode.example),
+        *(mode.cpu_args if cpu else mode.gpu_args),
+        *extra,
+        *expand_args(mode.variants[variant], multiple, explicit),
+        "--out",
+        out,
+    ]
+    env = {
+        **os.environ,
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     if cpu:
         env.setdefault("OMP_NUM_THREADS", "1")
     # Each variant compiles TRL's Triton kernels itself (an empty cache of its own): a cache
@@ -387,8 +572,9 @@ def run_variant(mode: Mode, variant: str, nproc: int, extra: list[str], cpu: boo
     # Streamed into the log line by line: a run stopped from outside (a device call's limit)
     # still leaves what it printed.
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
         for line in proc.stdout:
             log.write(line)
             log.flush()
@@ -417,8 +603,11 @@ def _peak(result: dict) -> list:
 
 def _peak_basis(result: dict) -> str:
     since = result.get("meta", {}).get("peak_since_train_begin_gib")
-    return ("since train begin, every reset folded in, plus ODC's held bytes"
-            if since and any(p is not None for p in since) else "peak_memory_gib")
+    return (
+        "since train begin, every reset folded in, plus ODC's held bytes"
+        if since and any(p is not None for p in since)
+        else "peak_memory_gib"
+    )
 
 
 def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
@@ -433,13 +622,17 @@ def plot(path: str, mode: Mode, summary: dict, peaks: dict, title: str) -> None:
     palette = ["tab:blue", "tab:gray", "tab:green", "tab:red", "tab:olive", "tab:cyan"]
     colors = [palette[i % len(palette)] for i in range(len(variants))]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    key = ("update_tokens_per_s_per_gpu" if "update_tokens_per_s_per_gpu" in summary[variants[0]]
-           else "tokens_per_s_per_gpu")
+    key = (
+        "update_tokens_per_s_per_gpu"
+        if "update_tokens_per_s_per_gpu" in summary[variants[0]]
+        else "tokens_per_s_per_gpu"
+    )
     values = [summary[v][key] for v in variants]
     bars = axes[0].bar(variants, values, color=colors)
     axes[0].bar_label(bars, fmt="%.4g", fontsize=8)
-    axes[0].set_ylabel("update tokens/s per GPU" if key.startswith("update") else
-                       "tokens/s per GPU")
+    axes[0].set_ylabel(
+        "update tokens/s per GPU" if key.startswith("update") else "tokens/s per GPU"
+    )
     ax = axes[1]
     if "rollout_seconds_per_step" in summary[variants[0]]:
         roll = [summary[v]["rollout_seconds_per_step"] for v in variants]
@@ -487,8 +680,10 @@ def _max_peaks(a: list | None, b: list) -> list:
     """Per rank, the larger of two runs' peaks (None where a run has none)."""
     if not a:
         return list(b)
-    return [max((p for p in pair if p is not None), default=None)
-            for pair in itertools.zip_longest(a, b)]
+    return [
+        max((p for p in pair if p is not None), default=None)
+        for pair in itertools.zip_longest(a, b)
+    ]
 
 
 def _variant_configs(mode: Mode, results: dict, multiple: int, explicit: bool) -> dict:
@@ -503,13 +698,19 @@ def _variant_configs(mode: Mode, results: dict, multiple: int, explicit: bool) -
         if variant in out or variant not in mode.variants:
             continue
         meta = result.get("meta", {})
-        masks = sorted({k for st in result.get("steps", [])
-                        for k in st.get("batches", {}).get("attention_masks", [])})
-        out[variant] = {"sets": VARIANT_SETS.get(variant, variant).replace(PAD, str(multiple)),
-                        "args": expand_args(mode.variants[variant], multiple, explicit),
-                        **({"reached": meta["config"]} if "config" in meta else {}),
-                        **({"attention": {**meta["attention"], "masks": masks}}
-                           if "attention" in meta else {})}
+        masks = sorted(
+            {
+                k
+                for st in result.get("steps", [])
+                for k in st.get("batches", {}).get("attention_masks", [])
+            }
+        )
+        out[variant] = {
+            "sets": VARIANT_SETS.get(variant, variant).replace(PAD, str(multiple)),
+            "args": expand_args(mode.variants[variant], multiple, explicit),
+            **({"reached": meta["config"]} if "config" in meta else {}),
+            **({"attention": {**meta["attention"], "masks": masks}} if "attention" in meta else {}),
+        }
     return out
 
 
@@ -521,24 +722,41 @@ def _attention(configs: dict) -> dict | None:
         return None
     impls = {k.get("implementation") for k in kinds.values()}
     backends = {tuple(k.get("sdpa_backends_enabled", ())) for k in kinds.values()}
-    return {"implementation": "/".join(sorted(map(str, impls))),
-            "same": len(impls) == 1 and len(backends) == 1,
-            **({"sdpa_backends_enabled": list(next(iter(backends)))}
-               if len(backends) == 1 and next(iter(backends)) else {}),
-            "masks": {v: k.get("masks", []) for v, k in kinds.items()}}
+    return {
+        "implementation": "/".join(sorted(map(str, impls))),
+        "same": len(impls) == 1 and len(backends) == 1,
+        **(
+            {"sdpa_backends_enabled": list(next(iter(backends)))}
+            if len(backends) == 1 and next(iter(backends))
+            else {}
+        ),
+        "masks": {v: k.get("masks", []) for v, k in kinds.items()},
+    }
 
 
-def _record(args, hardware, commit, warmup, commands, summary, results, partial,
-            rounds, configs=None) -> dict:
+def _record(
+    args, hardware, commit, warmup, commands, summary, results, partial, rounds, configs=None
+) -> dict:
     versions = _versions()
     for result in results.values():  # what the example's own interpreter ran (verl's venv)
-        versions.update({k: v for k, v in result.get("meta", {}).get("versions", {}).items()
-                         if v is not None})
-    record = {"mode": args.mode, "hardware": hardware, "host_cpu": _host_cpu(),
-              "kind": args.kind, "nproc": args.nproc, "versions": versions, "commit": commit,
-              "warmup_steps": warmup,
-              "command": shlex.join([sys.executable, *sys.argv]), "variant_commands": commands,
-              **_notes(args), "summary": summary, "runs": results}
+        versions.update(
+            {k: v for k, v in result.get("meta", {}).get("versions", {}).items() if v is not None}
+        )
+    record = {
+        "mode": args.mode,
+        "hardware": hardware,
+        "host_cpu": _host_cpu(),
+        "kind": args.kind,
+        "nproc": args.nproc,
+        "versions": versions,
+        "commit": commit,
+        "warmup_steps": warmup,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "variant_commands": commands,
+        **_notes(args),
+        "summary": summary,
+        "runs": results,
+    }
     if getattr(args, "data_ranks", None):
         record["data_ranks"] = args.data_ranks
     if configs is not None:
@@ -559,41 +777,72 @@ def _record(args, hardware, commit, warmup, commands, summary, results, partial,
 def _notes(args) -> dict:
     """The record's words from the command line: ``--commit-note`` (the tree and the call),
     ``--device-command`` (the device call that ran it), ``--note`` (also the row's)."""
-    return {k: getattr(args, k) for k in ("note", "commit_note", "device_command")
-            if getattr(args, k, None)}
+    return {
+        k: getattr(args, k)
+        for k in ("note", "commit_note", "device_command")
+        if getattr(args, k, None)
+    }
 
 
-def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warmup: int,
-            summary: dict, peaks: dict, pooled: dict, rounds: list, record,
-            configs: dict | None = None, row_extra: dict | None = None) -> None:
+def _finish(
+    args,
+    mode: Mode,
+    stem: str,
+    hardware: str,
+    commit,
+    model: str,
+    warmup: int,
+    summary: dict,
+    peaks: dict,
+    pooled: dict,
+    rounds: list,
+    record,
+    configs: dict | None = None,
+    row_extra: dict | None = None,
+) -> None:
     """The PNG, the table, the fixed-cost bound and the trainers row of a finished run (or of
     pooled runs); ``record()`` gives the JSON record to rewrite with the fixed-cost bound."""
     key = _rate_key(args.mode)
     configs = configs or {}
     label = "verl actor update" if args.mode == "verl" else f"TRL {args.mode}"
-    plot(os.path.join(args.out, f"{stem}.png"), mode, summary, peaks,
-         f"{label}: {', '.join(summary)}, {args.nproc} ranks on {hardware} "
-         f"({(commit if '+' in commit else commit[:7]) if commit else '?'}"
-         f"{f'; {args.repeats} rounds pooled' if args.repeats > 1 else ''})")
+    plot(
+        os.path.join(args.out, f"{stem}.png"),
+        mode,
+        summary,
+        peaks,
+        f"{label}: {', '.join(summary)}, {args.nproc} ranks on {hardware} "
+        f"({(commit if '+' in commit else commit[:7]) if commit else '?'}"
+        f"{f'; {args.repeats} rounds pooled' if args.repeats > 1 else ''})",
+    )
     unit = mode.unit
     print(f"\n{label}, {args.nproc} ranks on {hardware} (steps after {warmup} warm-up)")
-    print(f"{'variant':14s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
-          f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}")
+    print(
+        f"{'variant':14s} {unit + '/s/GPU':>16s} {'tokens/s/GPU':>14s} {'s/step':>8s} "
+        f"{'update tok/s':>13s} {'peak GiB':>9s} {'bound':>6s}"
+    )
     for variant, s in summary.items():
         peak = max((p for p in peaks[variant] if p is not None), default=float("nan"))
-        print(f"{variant:14s} {s[f'{unit}_per_s_per_gpu']:16.3f} "
-              f"{s['tokens_per_s_per_gpu']:14.1f} {s['seconds_per_step']:8.3f} "
-              f"{s.get('update_tokens_per_s_per_gpu', 0):13.1f} {peak:9.2f} "
-              f"{s.get('bound') or 0:6.3f}")
+        print(
+            f"{variant:14s} {s[f'{unit}_per_s_per_gpu']:16.3f} "
+            f"{s['tokens_per_s_per_gpu']:14.1f} {s['seconds_per_step']:8.3f} "
+            f"{s.get('update_tokens_per_s_per_gpu', 0):13.1f} {peak:9.2f} "
+            f"{s.get('bound') or 0:6.3f}"
+        )
     head = headline(summary, key)
     if head is None:
         return
     odc_v, base_v, ratio = head["odc_variant"], head["baseline"], head["speedup"]
     odc, base = summary[odc_v], summary[base_v]
     each = [r["speedup"] for r in rounds if "speedup" in r]
-    print(f"{odc_v} / {base_v} (the faster baseline) {key}: {ratio:.3f}" + (
-        f" (every round's measured steps pooled; the rounds alone: "
-        f"{', '.join(f'{x:.3f}' for x in each)})" if args.repeats > 1 else ""))
+    print(
+        f"{odc_v} / {base_v} (the faster baseline) {key}: {ratio:.3f}"
+        + (
+            f" (every round's measured steps pooled; the rounds alone: "
+            f"{', '.join(f'{x:.3f}' for x in each)})"
+            if args.repeats > 1
+            else ""
+        )
+    )
     for b, x in head["speedup_vs"].items():
         print(f"   {odc_v} / {b}: {x:.3f}")
     fixed = None
@@ -603,55 +852,92 @@ def _finish(args, mode: Mode, stem: str, hardware: str, commit, model: str, warm
         summary["odc"]["fixed_cost_bound"] = fixed
         with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
             json.dump(record(), f, indent=1)
-        print(f"odc vs plain: seconds = {fixed['fixed_seconds']:.3f} + "
-              f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
-              f"slowest rank (r2 {fixed['r2']:.3f}): bound with the fixed part "
-              f"{fixed['bound']:.3f}")
+        print(
+            f"odc vs plain: seconds = {fixed['fixed_seconds']:.3f} + "
+            f"{fixed['seconds_per_1k_padded_tokens']:.4f} per 1k padded tokens of the "
+            f"slowest rank (r2 {fixed['r2']:.3f}): bound with the fixed part "
+            f"{fixed['bound']:.3f}"
+        )
     steady = f"steady_{key}" in odc and f"steady_{key}" in base
     if steady:
-        print(f"without Triton compilation ({odc_v} {odc['jit_seconds']:.1f} s, {base_v} "
-              f"{base['jit_seconds']:.1f} s in the measured steps): "
-              f"{odc[f'steady_{key}'] / base[f'steady_{key}']:.3f}")
+        print(
+            f"without Triton compilation ({odc_v} {odc['jit_seconds']:.1f} s, {base_v} "
+            f"{base['jit_seconds']:.1f} s in the measured steps): "
+            f"{odc[f'steady_{key}'] / base[f'steady_{key}']:.3f}"
+        )
     if not args.summary:
         return
 
     def peak_of(v):
         return max((p for p in peaks[v] if p is not None), default=None)
 
-    row = {"trainer": args.mode, "gpus": args.nproc, "kind": args.kind or hardware,
-           "model": model, "commit": commit, "metric": key,
-           "odc_variant": odc_v, "baseline": base_v,
-           "odc_tokens_per_s_per_gpu": odc[key], "base_tokens_per_s_per_gpu": base[key],
-           "speedup": ratio, "odc_peak_gib": peak_of(odc_v), "base_peak_gib": peak_of(base_v),
-           "baselines": {b: {"tokens_per_s_per_gpu": summary[b][key], "peak_gib": peak_of(b),
-                             "speedup": x, **({"sets": configs[b]["sets"],
-                                               "args": configs[b]["args"]}
-                                              if b in configs else {})}
-                         for b, x in head["speedup_vs"].items()},
-           **({"speedup_vs_defaults": head["speedup_vs"]["plain"]}
-              if "plain" in head["speedup_vs"] else {}),
-           "bound": odc.get("bound"),
-           **({"bound_with_fixed_cost": fixed["bound"],
-               "fixed_seconds_per_step": fixed["fixed_seconds"]} if fixed else {}),
-           "step_speedup": base["seconds_per_step"] / odc["seconds_per_step"],
-           **({"steady_speedup": odc[f"steady_{key}"] / base[f"steady_{key}"],
-               "odc_jit_seconds": odc["jit_seconds"], "base_jit_seconds": base["jit_seconds"]}
-              if steady else {}),
-           **({"repeats": args.repeats, "speedup_of_each_round": each}
-              if args.repeats > 1 else {}),
-           "result": f"{stem}.json"}
+    row = {
+        "trainer": args.mode,
+        "gpus": args.nproc,
+        "kind": args.kind or hardware,
+        "model": model,
+        "commit": commit,
+        "metric": key,
+        "odc_variant": odc_v,
+        "baseline": base_v,
+        "odc_tokens_per_s_per_gpu": odc[key],
+        "base_tokens_per_s_per_gpu": base[key],
+        "speedup": ratio,
+        "odc_peak_gib": peak_of(odc_v),
+        "base_peak_gib": peak_of(base_v),
+        "baselines": {
+            b: {
+                "tokens_per_s_per_gpu": summary[b][key],
+                "peak_gib": peak_of(b),
+                "speedup": x,
+                **(
+                    {"sets": configs[b]["sets"], "args": configs[b]["args"]} if b in configs else {}
+                ),
+            }
+            for b, x in head["speedup_vs"].items()
+        },
+        **(
+            {"speedup_vs_defaults": head["speedup_vs"]["plain"]}
+            if "plain" in head["speedup_vs"]
+            else {}
+        ),
+        "bound": odc.get("bound"),
+        **(
+            {
+                "bound_with_fixed_cost": fixed["bound"],
+                "fixed_seconds_per_step": fixed["fixed_seconds"],
+            }
+            if fixed
+            else {}
+        ),
+        "step_speedup": base["seconds_per_step"] / odc["seconds_per_step"],
+        **(
+            {
+                "steady_speedup": odc[f"steady_{key}"] / base[f"steady_{key}"],
+                "odc_jit_seconds": odc["jit_seconds"],
+                "base_jit_seconds": base["jit_seconds"],
+            }
+            if steady
+            else {}
+        ),
+        **({"repeats": args.repeats, "speedup_of_each_round": each} if args.repeats > 1 else {}),
+        "result": f"{stem}.json",
+    }
     if "peak_basis" in odc:
         row["peak_basis"] = odc["peak_basis"]
     attention = _attention(configs)
     if attention:
-        row["attention"] = attention["implementation"] + ("" if attention["same"]
-                                                           else " (differs by variant)")
+        row["attention"] = attention["implementation"] + (
+            "" if attention["same"] else " (differs by variant)"
+        )
     if getattr(args, "data_ranks", None):
         row["data_ranks"] = args.data_ranks
     if args.nproc == 1:
         # (a) of the decomposition: the plan on one rank, nothing to communicate.
-        row["decomposition"] = {"plan_one_rank": head["speedup_vs"],
-                                "bound_one_rank": odc.get("bound")}
+        row["decomposition"] = {
+            "plan_one_rank": head["speedup_vs"],
+            "bound_one_rank": odc.get("bound"),
+        }
     row.update(row_extra or {})
     if getattr(args, "note", None) and "pooled" not in row:  # a pooled row has it there
         row["note"] = args.note
@@ -671,19 +957,25 @@ def _last_value(argv: list[str], flag: str) -> str | None:
 
 
 def _add_note_arguments(ap) -> None:
-    ap.add_argument("--note", default=None,
-                    help="words for the record and the trainers row (what the run is)")
-    ap.add_argument("--commit-note", default=None,
-                    help="the tree, machine and day of the call, for the record")
-    ap.add_argument("--device-command", default=None,
-                    help="the device call that ran it, for the record")
+    ap.add_argument(
+        "--note", default=None, help="words for the record and the trainers row (what the run is)"
+    )
+    ap.add_argument(
+        "--commit-note", default=None, help="the tree, machine and day of the call, for the record"
+    )
+    ap.add_argument(
+        "--device-command", default=None, help="the device call that ran it, for the record"
+    )
 
 
 def _spread(values: list[float]) -> dict:
     import statistics
 
-    return {"mean": statistics.fmean(values), "median": statistics.median(values),
-            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
+    return {
+        "mean": statistics.fmean(values),
+        "median": statistics.median(values),
+        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
 
 
 def pool_main(argv: list[str]) -> None:
@@ -697,9 +989,12 @@ def pool_main(argv: list[str]) -> None:
     ap.add_argument("--out", required=True, help="directory for the pooled JSON and PNG")
     ap.add_argument("--summary", default=None, help="trainers.json to update with the row")
     ap.add_argument("--kind", default=None, help="machine kind (default: the records')")
-    ap.add_argument("--stem", default=None,
-                    help="file name of the pooled JSON and PNG, without extension (default "
-                         "bench_trl_MODE_Ngpu_pooled)")
+    ap.add_argument(
+        "--stem",
+        default=None,
+        help="file name of the pooled JSON and PNG, without extension (default "
+        "bench_trl_MODE_Ngpu_pooled)",
+    )
     _add_note_arguments(ap)
     args = ap.parse_args(argv)
     records = []
@@ -710,8 +1005,10 @@ def pool_main(argv: list[str]) -> None:
     for path, r in zip(args.records, records, strict=True):
         same = (r["mode"], r["nproc"], r["warmup_steps"], r.get("partial", False))
         if same != (first["mode"], first["nproc"], first["warmup_steps"], False):
-            raise SystemExit(f"{path}: (mode, ranks, warm-up, partial) {same} differs from "
-                             f"{(first['mode'], first['nproc'], first['warmup_steps'], False)}")
+            raise SystemExit(
+                f"{path}: (mode, ranks, warm-up, partial) {same} differs from "
+                f"{(first['mode'], first['nproc'], first['warmup_steps'], False)}"
+            )
         sizes = {run["meta"].get("size") for run in r["runs"].values()}
         if sizes != {first["runs"]["odc"]["meta"].get("size")}:
             raise SystemExit(f"{path}: model sizes {sizes} differ from the first record's")
@@ -730,8 +1027,9 @@ def pool_main(argv: list[str]) -> None:
             worlds[variant] = run["meta"]["world"]
         # A record of one round has no "rounds": its own speed-up stands for it.
         own = headline(r["summary"], rate)
-        rounds += r.get("rounds") or [{"order": list(r["runs"]), **(
-            {"speedup": own["speedup"]} if own else {})}]
+        rounds += r.get("rounds") or [
+            {"order": list(r["runs"]), **({"speedup": own["speedup"]} if own else {})}
+        ]
     args.repeats = len(rounds)  # a record of --repeats N brings its N rounds
     for variant, steps in pooled.items():
         summary[variant] = _rates(steps, worlds[variant], mode.unit)
@@ -744,33 +1042,65 @@ def pool_main(argv: list[str]) -> None:
         for v, c in (r.get("variant_configs") or {}).items():
             configs.setdefault(v, c)
     head = headline(summary, rate)
-    block = {"runs": [os.path.basename(p) for p in args.records],
-             **({"note": args.note} if args.note else {}),
-             "steps_per_variant": {v: len(st) for v, st in pooled.items()},
-             "speedup_of_each_run": [x.get("speedup") for x in rounds]}
+    block = {
+        "runs": [os.path.basename(p) for p in args.records],
+        **({"note": args.note} if args.note else {}),
+        "steps_per_variant": {v: len(st) for v, st in pooled.items()},
+        "speedup_of_each_run": [x.get("speedup") for x in rounds],
+    }
     if head:
         block["seconds_per_step"] = {
-            v: _spread([s["seconds"] - s.get("rollout_seconds", 0.0) if args.mode == "grpo"
-                        else s["seconds"] for s in pooled[v]])
-            for v in (head["odc_variant"], head["baseline"])}
+            v: _spread(
+                [
+                    s["seconds"] - s.get("rollout_seconds", 0.0)
+                    if args.mode == "grpo"
+                    else s["seconds"]
+                    for s in pooled[v]
+                ]
+            )
+            for v in (head["odc_variant"], head["baseline"])
+        }
     os.makedirs(args.out, exist_ok=True)
 
     def record() -> dict:
-        return {"mode": args.mode, "hardware": first["hardware"],
-                "host_cpu": sorted({str(r.get("host_cpu")) for r in records}),
-                "kind": args.kind, "nproc": args.nproc, "versions": first["versions"],
-                "commit": commit,
-                "warmup_steps": warmup, "command": shlex.join([sys.executable, *sys.argv]),
-                **_notes(args), "pooled_from": [os.path.basename(p) for p in args.records],
-                "pooled": block, "commits": commits, "repeats": args.repeats,
-                "rounds": rounds, **({"variant_configs": configs} if configs else {}),
-                "summary": summary}
+        return {
+            "mode": args.mode,
+            "hardware": first["hardware"],
+            "host_cpu": sorted({str(r.get("host_cpu")) for r in records}),
+            "kind": args.kind,
+            "nproc": args.nproc,
+            "versions": first["versions"],
+            "commit": commit,
+            "warmup_steps": warmup,
+            "command": shlex.join([sys.executable, *sys.argv]),
+            **_notes(args),
+            "pooled_from": [os.path.basename(p) for p in args.records],
+            "pooled": block,
+            "commits": commits,
+            "repeats": args.repeats,
+            "rounds": rounds,
+            **({"variant_configs": configs} if configs else {}),
+            "summary": summary,
+        }
 
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(record(), f, indent=1)
-    _finish(args, mode, stem, first["hardware"], commit,
-            str(first["runs"]["odc"]["meta"].get("size")), warmup, summary, peaks, pooled,
-            rounds, record, configs, row_extra={"pooled": block})
+    _finish(
+        args,
+        mode,
+        stem,
+        first["hardware"],
+        commit,
+        str(first["runs"]["odc"]["meta"].get("size")),
+        warmup,
+        summary,
+        peaks,
+        pooled,
+        rounds,
+        record,
+        configs,
+        row_extra={"pooled": block},
+    )
 
 
 def decompose(one: dict, multi: dict, key: str) -> dict:
@@ -791,14 +1121,21 @@ def decompose(one: dict, multi: dict, key: str) -> dict:
     stepsn = [s["tokens"] for s in multi["runs"][headn["odc_variant"]]["steps"]]
     n = min(len(steps1), len(stepsn))
     if n == 0 or steps1[:n] != stepsn[:n]:
-        raise SystemExit("decompose: the records' steps hold different tokens (run the "
-                         "one-rank record with --same-data-as the multi-rank ranks)")
+        raise SystemExit(
+            "decompose: the records' steps hold different tokens (run the "
+            "one-rank record with --same-data-as the multi-rank ranks)"
+        )
     b1 = one["summary"][head1["odc_variant"]].get("bound")
     bn = multi["summary"][headn["odc_variant"]].get("bound")
     balance = bn / b1 if bn and b1 else None
-    out = {"odc_variant": {"one_rank": head1["odc_variant"], "multi_rank": headn["odc_variant"]},
-           "bound_one_rank": b1, "bound": bn, "balance_bound": balance,
-           "steps_compared": n, "by_baseline": {}}
+    out = {
+        "odc_variant": {"one_rank": head1["odc_variant"], "multi_rank": headn["odc_variant"]},
+        "bound_one_rank": b1,
+        "bound": bn,
+        "balance_bound": balance,
+        "steps_compared": n,
+        "by_baseline": {},
+    }
     for b, a in head1["speedup_vs"].items():
         entry = {"plan_one_rank": a}
         c = headn["speedup_vs"].get(b)
@@ -819,8 +1156,9 @@ def decompose_main(argv: list[str]) -> None:
     ap.add_argument("one_rank")
     ap.add_argument("multi_rank")
     ap.add_argument("--summary", default=None, help="trainers.json holding the multi-rank row")
-    ap.add_argument("--kind", default=None, help="the multi-rank row's machine kind (default: "
-                    "its record's)")
+    ap.add_argument(
+        "--kind", default=None, help="the multi-rank row's machine kind (default: its record's)"
+    )
     args = ap.parse_args(argv)
     with open(args.one_rank) as f:
         one = json.load(f)
@@ -829,9 +1167,12 @@ def decompose_main(argv: list[str]) -> None:
     if one["mode"] != multi["mode"] or one["nproc"] != 1:
         raise SystemExit("decompose: a one-rank record and a multi-rank record of one trainer")
     out = decompose(one, multi, _rate_key(one["mode"]))
-    out.update(one_rank=os.path.basename(args.one_rank),
-               multi_rank=os.path.basename(args.multi_rank),
-               one_rank_kind=one.get("kind"), one_rank_commit=one.get("commit"))
+    out.update(
+        one_rank=os.path.basename(args.one_rank),
+        multi_rank=os.path.basename(args.multi_rank),
+        one_rank_kind=one.get("kind"),
+        one_rank_commit=one.get("commit"),
+    )
     print(json.dumps(out, indent=1))
     if args.summary:
         with open(args.summary) as f:
@@ -857,35 +1198,60 @@ def main() -> None:
     extra = []
     if "--" in argv:
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+        argv, extra = argv[:at], argv[at + 1 :]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=sorted(MODES))
     ap.add_argument("--out", required=True, help="directory for the JSON, PNG and log")
     ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs); 1: the plan on one rank")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="steps left out of the rates (default: the mode's on GPUs, 1 on CPU)")
-    ap.add_argument("--variants", default=None,
-                    help="comma-separated variants (default: odc,plain,plain-tuned; verl "
-                         "odc,plain; sft also odc-padfree, plain-padfree; grpo odc-local, "
-                         "odc-nopad)")
-    ap.add_argument("--pad-multiple", type=int, default=None,
-                    help="plain-tuned's pad_to_multiple_of, and ODC's when given (default: "
-                         "ODC's own, 64 for SFT/DPO and 128 for GRPO on GPUs, 1 on CPU, which "
-                         "ODC then keeps as its default)")
-    ap.add_argument("--same-data-as", type=int, default=None, metavar="N",
-                    help="each step holds the rows of an N-rank step (the example's "
-                         "--accumulation times N / --nproc): with --nproc 1, the plan on one "
-                         "rank on the data of the N-rank row (bench_trl.py decompose)")
-    ap.add_argument("--summary", default=None,
-                    help="trainers.json to update with this run's row (an ODC variant and a "
-                         "baseline needed)")
-    ap.add_argument("--kind", default=os.environ.get("ODC_DEVICE_KIND"),
-                    help="machine kind recorded in the summary row (default $ODC_DEVICE_KIND)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of runs, the variants' order reversed every other round "
-                         "(odc,plain then plain,odc); the rates pool every round's measured "
-                         "steps (default 1)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps left out of the rates (default: the mode's on GPUs, 1 on CPU)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated variants (default: odc,plain,plain-tuned; verl "
+        "odc,plain; sft also odc-padfree, plain-padfree; grpo odc-local, "
+        "odc-nopad)",
+    )
+    ap.add_argument(
+        "--pad-multiple",
+        type=int,
+        default=None,
+        help="plain-tuned's pad_to_multiple_of, and ODC's when given (default: "
+        "ODC's own, 64 for SFT/DPO and 128 for GRPO on GPUs, 1 on CPU, which "
+        "ODC then keeps as its default)",
+    )
+    ap.add_argument(
+        "--same-data-as",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each step holds the rows of an N-rank step (the example's "
+        "--accumulation times N / --nproc): with --nproc 1, the plan on one "
+        "rank on the data of the N-rank row (bench_trl.py decompose)",
+    )
+    ap.add_argument(
+        "--summary",
+        default=None,
+        help="trainers.json to update with this run's row (an ODC variant and a baseline needed)",
+    )
+    ap.add_argument(
+        "--kind",
+        default=os.environ.get("ODC_DEVICE_KIND"),
+        help="machine kind recorded in the summary row (default $ODC_DEVICE_KIND)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of runs, the variants' order reversed every other round "
+        "(odc,plain then plain,odc); the rates pool every round's measured "
+        "steps (default 1)",
+    )
     _add_note_arguments(ap)
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -897,17 +1263,20 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; {args.mode} has {list(mode.variants)}")
     explicit = args.pad_multiple is not None
     if args.mode != "verl":
-        args.pad_multiple = (args.pad_multiple if explicit
-                             else odc_multiple(args.mode, args.cpu))
+        args.pad_multiple = args.pad_multiple if explicit else odc_multiple(args.mode, args.cpu)
     args.data_ranks = None
     if args.same_data_as:
         if args.mode == "verl":
             raise SystemExit("--same-data-as: the TRL modes (the example's --accumulation)")
-        acc = int(_last_value([*(mode.cpu_args if args.cpu else mode.gpu_args), *extra],
-                              "--accumulation") or 1)
+        acc = int(
+            _last_value([*(mode.cpu_args if args.cpu else mode.gpu_args), *extra], "--accumulation")
+            or 1
+        )
         if acc * args.same_data_as % args.nproc:
-            raise SystemExit(f"--same-data-as {args.same_data_as}: accumulation {acc} x "
-                             f"{args.same_data_as} is not a multiple of --nproc {args.nproc}")
+            raise SystemExit(
+                f"--same-data-as {args.same_data_as}: accumulation {acc} x "
+                f"{args.same_data_as} is not a multiple of --nproc {args.nproc}"
+            )
         extra = [*extra, "--accumulation", str(acc * args.same_data_as // args.nproc)]
         args.data_ranks = args.same_data_as
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu else mode.warmup)
@@ -931,9 +1300,17 @@ def main() -> None:
             rates = {}
             for variant in order:
                 name = variant if i == 0 else f"{variant}@{i + 1}"  # a run's key in "runs"
-                result, cmd = run_variant(mode, variant, args.nproc, extra, args.cpu,
-                                          os.path.join(workdir, f"round{i + 1}"), log,
-                                          args.pad_multiple or 1, explicit)
+                result, cmd = run_variant(
+                    mode,
+                    variant,
+                    args.nproc,
+                    extra,
+                    args.cpu,
+                    os.path.join(workdir, f"round{i + 1}"),
+                    log,
+                    args.pad_multiple or 1,
+                    explicit,
+                )
                 steps = result["steps"][warmup:]
                 if not steps:
                     raise SystemExit(f"{variant}: no step after --warmup {warmup}")
@@ -947,25 +1324,75 @@ def main() -> None:
                 summary[variant]["peak_basis"] = _peak_basis(result)
                 # Written after every run (marked partial until the last): a run stopped
                 # later keeps the runs that finished.
-                record = _record(args, hardware, commit, warmup, commands, summary, results,
-                                 partial=len(results) < len(variants) * args.repeats,
-                                 rounds=rounds, configs=configs())
+                record = _record(
+                    args,
+                    hardware,
+                    commit,
+                    warmup,
+                    commands,
+                    summary,
+                    results,
+                    partial=len(results) < len(variants) * args.repeats,
+                    rounds=rounds,
+                    configs=configs(),
+                )
                 with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
                     json.dump(record, f, indent=1)
-            done = {"order": order, **{f"{v}_seconds_per_step": r["seconds_per_step"]
-                                       for v, r in rates.items()}}
+            done = {
+                "order": order,
+                **{f"{v}_seconds_per_step": r["seconds_per_step"] for v, r in rates.items()},
+            }
             head = headline(rates, key)
             if head:
-                done.update(speedup=head["speedup"], baseline=head["baseline"],
-                            speedup_vs=head["speedup_vs"])
+                done.update(
+                    speedup=head["speedup"],
+                    baseline=head["baseline"],
+                    speedup_vs=head["speedup_vs"],
+                )
             rounds.append(done)
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:  # with the last round
-        json.dump(_record(args, hardware, commit, warmup, commands, summary, results,
-                          partial=False, rounds=rounds, configs=configs()), f, indent=1)
-    _finish(args, mode, stem, hardware, commit, _model(mode, extra, args.cpu), warmup, summary,
-            peaks, pooled, rounds,
-            lambda: _record(args, hardware, commit, warmup, commands, summary, results,
-                            partial=False, rounds=rounds, configs=configs()), configs())
+        json.dump(
+            _record(
+                args,
+                hardware,
+                commit,
+                warmup,
+                commands,
+                summary,
+                results,
+                partial=False,
+                rounds=rounds,
+                configs=configs(),
+            ),
+            f,
+            indent=1,
+        )
+    _finish(
+        args,
+        mode,
+        stem,
+        hardware,
+        commit,
+        _model(mode, extra, args.cpu),
+        warmup,
+        summary,
+        peaks,
+        pooled,
+        rounds,
+        lambda: _record(
+            args,
+            hardware,
+            commit,
+            warmup,
+            commands,
+            summary,
+            results,
+            partial=False,
+            rounds=rounds,
+            configs=configs(),
+        ),
+        configs(),
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def pack_cheapest(rows, members, cap, floor):
                 best[j] = (best[i][0] + floor + size, i)
     out, j = [], len(order)
     while j > 0:
-        out.append(order[best[j][1]:j])
+        out.append(order[best[j][1] : j])
         j = best[j][1]
     return out
 
@@ -89,8 +89,10 @@ def cost(rows, members, cap, floor) -> tuple[float, int, int]:
 
 
 def slowest(rows, assign, world, cap, floor) -> float:
-    return max(cost(rows, [i for i, r in enumerate(assign) if r == rank], cap, floor)[0]
-               for rank in range(world))
+    return max(
+        cost(rows, [i for i, r in enumerate(assign) if r == rank], cap, floor)[0]
+        for rank in range(world)
+    )
 
 
 def search(rows, assign, world, cap, floor) -> float:
@@ -122,12 +124,17 @@ def search(rows, assign, world, cap, floor) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--record", help="a bench_trl GRPO record of one run (not pooled): its "
-                   "ranks and each step's cap")
+    p.add_argument(
+        "--record",
+        help="a bench_trl GRPO record of one run (not pooled): its ranks and each step's cap",
+    )
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--caps", help="comma-separated cap per step (instead of --record)")
-    p.add_argument("--floors", default="0,2000,4000,6000,8000",
-                   help="microbatch floors to try, in padded tokens")
+    p.add_argument(
+        "--floors",
+        default="0,2000,4000,6000,8000",
+        help="microbatch floors to try, in padded tokens",
+    )
     p.add_argument("--per-device-batch", type=int, default=8)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=8)
@@ -169,30 +176,55 @@ def main(argv=None) -> None:
             for mb in mbs:
                 for i in mb:
                     assign[i] = rank
-        adapter = [pack_fewest(rows, [i for i, r in enumerate(assign) if r == rank], cap)
-                   for rank in range(world)]
-        entry = {"step": s + 1, "cap": cap,
-                 "adapter": [{"microbatches": len(m), "padded": sum(padded(rows, b) for b in m)}
-                             for m in adapter], "floors": {}}
+        adapter = [
+            pack_fewest(rows, [i for i, r in enumerate(assign) if r == rank], cap)
+            for rank in range(world)
+        ]
+        entry = {
+            "step": s + 1,
+            "cap": cap,
+            "adapter": [
+                {"microbatches": len(m), "padded": sum(padded(rows, b) for b in m)} for m in adapter
+            ],
+            "floors": {},
+        }
         for floor in floors:
             theirs = max(floor * len(m) + sum(padded(rows, b) for b in m) for m in adapter)
             found = search(rows, list(assign), world, cap, floor)
             entry["floors"][str(int(floor))] = {"adapter": theirs, "best_found": found}
         steps.append(entry)
-        print(f"step {s + 1} cap {cap}: adapter {entry['adapter']}; " + ", ".join(
-            f"floor {k}: {v['adapter']:.0f} -> {v['best_found']:.0f}"
-            for k, v in entry["floors"].items()))
-    totals = {k: {"adapter": sum(e["floors"][k]["adapter"] for e in steps),
-                  "best_found": sum(e["floors"][k]["best_found"] for e in steps)}
-              for k in steps[0]["floors"]}
+        print(
+            f"step {s + 1} cap {cap}: adapter {entry['adapter']}; "
+            + ", ".join(
+                f"floor {k}: {v['adapter']:.0f} -> {v['best_found']:.0f}"
+                for k, v in entry["floors"].items()
+            )
+        )
+    totals = {
+        k: {
+            "adapter": sum(e["floors"][k]["adapter"] for e in steps),
+            "best_found": sum(e["floors"][k]["best_found"] for e in steps),
+        }
+        for k in steps[0]["floors"]
+    }
     for k, v in totals.items():
-        print(f"floor {k} tokens: the slowest ranks' cost over the steps, adapter "
-              f"{v['adapter']:.0f}, best found {v['best_found']:.0f} "
-              f"({v['adapter'] / v['best_found']:.4f}x)")
+        print(
+            f"floor {k} tokens: the slowest ranks' cost over the steps, adapter "
+            f"{v['adapter']:.0f}, best found {v['best_found']:.0f} "
+            f"({v['adapter'] / v['best_found']:.4f}x)"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                   "world": world, "steps": steps, "totals": totals}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                "world": world,
+                "steps": steps,
+                "totals": totals,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -82,11 +82,17 @@ def wrap_entry_points() -> None:
                 e = ENTRY_CPU.setdefault(label, [0.0, 0])
                 e[0] += time.thread_time() - t
                 e[1] += 1
+
         setattr(cls, name, timed)
 
-    for cls, name in [(_KeyedAllGather, "__call__"), (_KeyedReduceScatter, "__call__"),
-                      (_Key, "before_forward"), (_Key, "_drop_fsdp_grad"),
-                      (Handle, "_pre_forward"), (Handle, "barrier")]:
+    for cls, name in [
+        (_KeyedAllGather, "__call__"),
+        (_KeyedReduceScatter, "__call__"),
+        (_Key, "before_forward"),
+        (_Key, "_drop_fsdp_grad"),
+        (Handle, "_pre_forward"),
+        (Handle, "barrier"),
+    ]:
         wrap(cls, name)
 
 
@@ -109,8 +115,13 @@ def by_file(stats: pstats.Stats, scale: float) -> dict:
     for (file, _, func), (cc, nc, tt, ct, callers) in stats.stats.items():
         if "torch_odc" in file:
             g = "torch_odc (Python)"
-        elif file == "~" and ("_keyed" in func or "_publish" in func or "_arrive" in func
-                              or "OdcBackend" in func or "_release" in func):
+        elif file == "~" and (
+            "_keyed" in func
+            or "_publish" in func
+            or "_arrive" in func
+            or "OdcBackend" in func
+            or "_release" in func
+        ):
             g = "torch_odc (C++ calls)"
         elif "fsdp/_fully_shard" in file:
             g = "FSDP2 (Python)"
@@ -146,8 +157,9 @@ def run(kind: str, args, group, rank, world):
             ENTRY_CPU.clear()  # from the first measured minibatch ...
         if profiled:
             entry_cpu = {k: list(v) for k, v in ENTRY_CPU.items()}  # ... to the profiled one
-        seqs = [torch.randint(0, vocab, (args.tokens + 1,), generator=gen)
-                for _ in range(args.micro)]
+        seqs = [
+            torch.randint(0, vocab, (args.tokens + 1,), generator=gen) for _ in range(args.micro)
+        ]
         dist.barrier(group=group)
         if handle is not None:
             st0 = handle.stats()
@@ -180,9 +192,12 @@ def run(kind: str, args, group, rank, world):
     gc.enable()
     if handle is not None:
         handle.detach()
-    out = {"micro_ms": float(np.median(micro_ms)), "mini_ms": float(np.median(mini_ms)),
-           "micro_cpu_ms": float(np.median(micro_cpu_ms)),
-           "entry_cpu": entry_cpu}
+    out = {
+        "micro_ms": float(np.median(micro_ms)),
+        "mini_ms": float(np.median(mini_ms)),
+        "micro_cpu_ms": float(np.median(micro_cpu_ms)),
+        "entry_cpu": entry_cpu,
+    }
     if odc_ms:
         out["odc_own_ms"] = float(np.median(odc_ms))
         out["odc_wait_ms"] = float(np.median(odc_wait_ms))
@@ -194,9 +209,13 @@ def run(kind: str, args, group, rank, world):
         out["cum"] = cumulative(st, scale)
         out["files"] = by_file(st, scale)
         out["total_ms"] = st.total_tt * scale
-        out["top"] = sorted(((tt * scale, nc, f"{os.path.basename(f)}:{ln}({fn})")
-                             for (f, ln, fn), (cc, nc, tt, ct, _) in st.stats.items()),
-                            reverse=True)[:args.top]
+        out["top"] = sorted(
+            (
+                (tt * scale, nc, f"{os.path.basename(f)}:{ln}({fn})")
+                for (f, ln, fn), (cc, nc, tt, ct, _) in st.stats.items()
+            ),
+            reverse=True,
+        )[: args.top]
     return out
 
 
@@ -209,8 +228,11 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--configs", nargs="+", default=["gloo", "odc"])
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--entry-cpu", action="store_true",
-                   help="thread CPU time per call of each torch_odc entry point")
+    p.add_argument(
+        "--entry-cpu",
+        action="store_true",
+        help="thread CPU time per call of each torch_odc entry point",
+    )
     p.add_argument("--dump", default=None, help="write rank 0's pstats to DUMP.odc / DUMP.fsdp")
     args = p.parse_args()
     bench_e2e.MODELS["host"] = (64, args.layers, 4, 2, 176, 512)
@@ -224,38 +246,60 @@ def main():
     for cfg in args.configs:
         results[cfg] = run("odc" if cfg == "odc" else "nccl", args, gloo, rank, world)
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {c: {k: v for k, v in r.items()
-                                          if k in ("micro_ms", "mini_ms", "odc_own_ms",
-                                                   "odc_wait_ms", "micro_cpu_ms")}
-                                      for c, r in results.items()}, group=gloo)
+    dist.all_gather_object(
+        per_rank,
+        {
+            c: {
+                k: v
+                for k, v in r.items()
+                if k in ("micro_ms", "mini_ms", "odc_own_ms", "odc_wait_ms", "micro_cpu_ms")
+            }
+            for c, r in results.items()
+        },
+        group=gloo,
+    )
     if rank == 0:
-        print(f"\n{args.layers} layers, dim 64, {args.micro} microbatches of {args.tokens} "
-              f"tokens per minibatch, {world} ranks, medians of {args.minibatches}; "
-              f"torch {torch.__version__}")
+        print(
+            f"\n{args.layers} layers, dim 64, {args.micro} microbatches of {args.tokens} "
+            f"tokens per minibatch, {world} ranks, medians of {args.minibatches}; "
+            f"torch {torch.__version__}"
+        )
         for cfg in args.configs:
             rows = [pr[cfg] for pr in per_rank]
-            line = (f"{cfg:>5}: ms per microbatch " + " / ".join(f"{r['micro_ms']:.1f}"
-                                                                 for r in rows)
-                    + " (CPU " + " / ".join(f"{r['micro_cpu_ms']:.1f}" for r in rows) + ")"
-                    + ", per minibatch " + " / ".join(f"{r['mini_ms']:.1f}" for r in rows))
+            line = (
+                f"{cfg:>5}: ms per microbatch "
+                + " / ".join(f"{r['micro_ms']:.1f}" for r in rows)
+                + " (CPU "
+                + " / ".join(f"{r['micro_cpu_ms']:.1f}" for r in rows)
+                + ")"
+                + ", per minibatch "
+                + " / ".join(f"{r['mini_ms']:.1f}" for r in rows)
+            )
             if "odc_own_ms" in rows[0]:
-                line += (", ODC's own host ms per minibatch (unprofiled, waits excluded) "
-                         + " / ".join(f"{r['odc_own_ms']:.2f}" for r in rows)
-                         + ", barrier waits " + " / ".join(f"{r['odc_wait_ms']:.2f}"
-                                                           for r in rows))
+                line += (
+                    ", ODC's own host ms per minibatch (unprofiled, waits excluded) "
+                    + " / ".join(f"{r['odc_own_ms']:.2f}" for r in rows)
+                    + ", barrier waits "
+                    + " / ".join(f"{r['odc_wait_ms']:.2f}" for r in rows)
+                )
             print(line + "  (rank 0 / 1)")
         for cfg in args.configs:
             r = results[cfg]
             if r["entry_cpu"]:
                 n_mb = args.minibatches
-                print(f"\n--- {cfg}: torch_odc entry points on rank 0, thread CPU time over the "
-                      f"{n_mb} measured minibatches: ms per minibatch, calls per minibatch, us "
-                      "per call")
+                print(
+                    f"\n--- {cfg}: torch_odc entry points on rank 0, thread CPU time over the "
+                    f"{n_mb} measured minibatches: ms per minibatch, calls per minibatch, us "
+                    "per call"
+                )
                 for label, (sec, n) in sorted(r["entry_cpu"].items(), key=lambda kv: -kv[1][0]):
-                    print(f"  {label:<36}{1e3 * sec / n_mb:8.2f}{n / n_mb:7.1f}"
-                          f"{1e6 * sec / n:8.1f}")
-            print(f"\n--- {cfg}: one minibatch under cProfile on rank 0: {r['total_ms']:.1f} ms "
-                  "of profiled Python; cumulative ms (calls):")
+                    print(
+                        f"  {label:<36}{1e3 * sec / n_mb:8.2f}{n / n_mb:7.1f}{1e6 * sec / n:8.1f}"
+                    )
+            print(
+                f"\n--- {cfg}: one minibatch under cProfile on rank 0: {r['total_ms']:.1f} ms "
+                "of profiled Python; cumulative ms (calls):"
+            )
             for label, (ms, n) in r["cum"].items():
                 if n:
                     print(f"  {label:<40}{ms:9.2f}  ({n})")

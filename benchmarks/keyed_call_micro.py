@@ -29,9 +29,14 @@ def main():
     args = p.parse_args()
     dist.init_process_group("odc")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[
-        torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32),
-                            torch.nn.Linear(32, 32)) for _ in range(4)])
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+            )
+            for _ in range(4)
+        ]
+    )
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -83,10 +88,12 @@ def main():
             hooks()
 
     rows = []
-    for name, fn in (("push comm call + .grad hooks", full),
-                     ("  the same, general path", general),
-                     ("C++ entry via pybind", cpp_entry),
-                     ("general path's bookkeeping + hooks", python_parts)):
+    for name, fn in (
+        ("push comm call + .grad hooks", full),
+        ("  the same, general path", general),
+        ("C++ entry via pybind", cpp_entry),
+        ("general path's bookkeeping + hooks", python_parts),
+    ):
         best = None
         for _ in range(5):
             c0 = backend._stats()["cpp_host_s"]["push"]

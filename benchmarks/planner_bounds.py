@@ -25,22 +25,32 @@ WORKLOADS = {"long-context": long_context, "rl": rl_like}
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calibration", default="7.107057653e+14,2.546091454e+14,0.1728656397",
-                   help="DENSE,ATTN,FLOOR (default: the 4x H200 fit of 2026-11-21)")
+    p.add_argument(
+        "--calibration",
+        default="7.107057653e+14,2.546091454e+14,0.1728656397",
+        help="DENSE,ATTN,FLOOR (default: the 4x H200 fit of 2026-11-21)",
+    )
     p.add_argument("--model", default="1b", choices=sorted(MODELS))
     p.add_argument("--draws", type=int, default=300, help="minibatches per row (4 per rank)")
     p.add_argument("--seed", type=int, default=99)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "planner_bounds.json"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "planner_bounds.json"
+        ),
+    )
     args = p.parse_args(argv)
     dim, layers, heads, kv_heads, ffn, vocab = MODELS[args.model]
     kv_dim = dim // heads * kv_heads
     n_params = layers * (2 * dim * dim + 2 * dim * kv_dim + 3 * dim * ffn + 2 * dim) + (
-        2 * vocab * dim + dim)
+        2 * vocab * dim + dim
+    )
     model = CostModel.parse(args.calibration)
     rows = []
-    print(f"{'pack':>6} {'workload':<13}{'seqs/rank':>10}{'ranks':>6}{'mean':>7}{'median':>7}"
-          f"{'pooled':>7}{'>=1.2':>7}")
+    print(
+        f"{'pack':>6} {'workload':<13}{'seqs/rank':>10}{'ranks':>6}{'mean':>7}{'median':>7}"
+        f"{'pooled':>7}{'>=1.2':>7}"
+    )
     for pack in (1, 16384):
         cost = time_cost(model, n_params, layers, dim, pack)
         for name, draw in WORKLOADS.items():
@@ -55,19 +65,37 @@ def main(argv=None) -> None:
                         micro.append(plans(x, world, "micro", cost, pack).makespan)
                         mini.append(plans(x, world, "mini", cost, pack).makespan)
                     r = np.array(micro) / np.array(mini)
-                    row = {"pack_tokens": pack, "workload": name, "seqs_per_rank": spr,
-                           "ranks": world, "minibatches": len(r), "mean": float(r.mean()),
-                           "median": float(np.median(r)),
-                           "pooled": float(sum(micro) / sum(mini)),
-                           "share_at_least_1.2": float(np.mean(r >= 1.2))}
+                    row = {
+                        "pack_tokens": pack,
+                        "workload": name,
+                        "seqs_per_rank": spr,
+                        "ranks": world,
+                        "minibatches": len(r),
+                        "mean": float(r.mean()),
+                        "median": float(np.median(r)),
+                        "pooled": float(sum(micro) / sum(mini)),
+                        "share_at_least_1.2": float(np.mean(r >= 1.2)),
+                    }
                     rows.append(row)
-                    print(f"{pack:>6} {name:<13}{spr:>10}{world:>6}{row['mean']:>7.3f}"
-                          f"{row['median']:>7.3f}{row['pooled']:>7.3f}"
-                          f"{row['share_at_least_1.2']:>7.0%}", flush=True)
+                    print(
+                        f"{pack:>6} {name:<13}{spr:>10}{world:>6}{row['mean']:>7.3f}"
+                        f"{row['median']:>7.3f}{row['pooled']:>7.3f}"
+                        f"{row['share_at_least_1.2']:>7.0%}",
+                        flush=True,
+                    )
     with open(args.out, "w") as f:
-        json.dump({"cost_model": str(model), "model": args.model, "n_params": n_params,
-                   "seed": args.seed, "command": " ".join(["python"] + sys.argv),
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "cost_model": str(model),
+                "model": args.model,
+                "n_params": n_params,
+                "seed": args.seed,
+                "command": " ".join(["python"] + sys.argv),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

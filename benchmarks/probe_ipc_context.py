@@ -31,8 +31,7 @@ def runtime(with_torch: bool):
 
         torch.zeros(1, device="cuda")  # torch's context, allocator and streams first
     rt = ctypes.CDLL(CUDART)
-    rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle,
-                                         ctypes.c_uint]
+    rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle, ctypes.c_uint]
     rt.cudaSetDevice(0)
     rt.cudaFree(None)
     return rt
@@ -104,9 +103,12 @@ def main():
             a.join()
             b.join()
             for opened, first, closed, ok in rows:
-                print(f"owner torch={owner_torch!s:5} importer torch={importer_torch!s:5}  "
-                      f"open {1e3 * opened:7.2f} ms  first read {1e3 * first:6.2f} ms  "
-                      f"close {1e3 * closed:6.2f} ms  data {'ok' if ok else 'WRONG'}", flush=True)
+                print(
+                    f"owner torch={owner_torch!s:5} importer torch={importer_torch!s:5}  "
+                    f"open {1e3 * opened:7.2f} ms  first read {1e3 * first:6.2f} ms  "
+                    f"close {1e3 * closed:6.2f} ms  data {'ok' if ok else 'WRONG'}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

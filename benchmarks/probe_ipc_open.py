@@ -17,8 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 2 << 30
-MODES = ["alone"] * 3 + ["owner_busy"] * 3 + ["thread_beside_work"] * 3 + \
-    ["inline_beside_work"] * 3
+MODES = ["alone"] * 3 + ["owner_busy"] * 3 + ["thread_beside_work"] * 3 + ["inline_beside_work"] * 3
 
 
 def owner(q, back, rounds):
@@ -80,8 +79,11 @@ def main():
         rt.ipcCloseMemHandle(res["ptr"])
         close = time.perf_counter() - s
         back.put("closed")
-        print(f"{mode:20s} open {1e3 * res['open']:7.2f} ms  close {1e3 * close:6.2f} ms  "
-              f"total {1e3 * total:7.2f} ms", flush=True)
+        print(
+            f"{mode:20s} open {1e3 * res['open']:7.2f} ms  close {1e3 * close:6.2f} ms  "
+            f"total {1e3 * total:7.2f} ms",
+            flush=True,
+        )
     torch.cuda.synchronize()
     s = time.perf_counter()
     work(a, 40)

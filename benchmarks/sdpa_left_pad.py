@@ -11,6 +11,7 @@ row such rows, the longest prompt included. This runs the layouts side by side p
 
     python benchmarks/sdpa_left_pad.py --out benchmarks/results/sdpa_left_pad_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,23 +42,35 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-        num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
-        max_position_embeddings=4096, pad_token_id=0, attn_implementation="sdpa")).cuda()
-    backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION],
-                "flash": [SDPBackend.FLASH_ATTENTION],
-                "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
-                "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                             SDPBackend.MATH]}
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=args.layers,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            attn_implementation="sdpa",
+        )
+    ).cuda()
+    backends = {
+        "default": None,
+        "cudnn": [SDPBackend.CUDNN_ATTENTION],
+        "flash": [SDPBackend.FLASH_ATTENTION],
+        "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+        "math": [SDPBackend.MATH],
+        "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    }
     gen = torch.Generator().manual_seed(1)
     results = []
     for layout, (pw, cw) in LAYOUTS.items():
         ids = torch.zeros(len(PROMPTS), pw + cw, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
-            ids[r, pw - p:pw + c] = torch.randint(2, 32000, (p + c,), generator=gen)
-            mask[r, pw - p:pw + c] = 1
+            ids[r, pw - p : pw + c] = torch.randint(2, 32000, (p + c,), generator=gen)
+            mask[r, pw - p : pw + c] = 1
         ids, mask = ids.cuda(), mask.cuda()
         for name, chosen in backends.items():
             model.zero_grad(set_to_none=True)
@@ -65,26 +78,40 @@ def main() -> None:
             try:
                 ctx = sdpa_kernel(chosen) if chosen else torch.enable_grad()
                 with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
-                    logits = model(input_ids=ids, attention_mask=mask).logits[:, pw - 1:-1]
-                    logps = torch.log_softmax(logits.float(), -1).gather(
-                        -1, ids[:, pw:].unsqueeze(-1)).squeeze(-1)
+                    logits = model(input_ids=ids, attention_mask=mask).logits[:, pw - 1 : -1]
+                    logps = (
+                        torch.log_softmax(logits.float(), -1)
+                        .gather(-1, ids[:, pw:].unsqueeze(-1))
+                        .squeeze(-1)
+                    )
                     keep = mask[:, pw:].float()
                     loss = -(logps * keep).sum() / keep.sum()
                 loss.backward()
                 torch.cuda.synchronize()
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
-                row.update(loss=float(loss), loss_finite=bool(torch.isfinite(loss)),
-                           grads_finite=all(bool(torch.isfinite(g).all()) for g in grads),
-                           nan_params=sum(int(not torch.isfinite(g).all()) for g in grads))
+                row.update(
+                    loss=float(loss),
+                    loss_finite=bool(torch.isfinite(loss)),
+                    grads_finite=all(bool(torch.isfinite(g).all()) for g in grads),
+                    nan_params=sum(int(not torch.isfinite(g).all()) for g in grads),
+                )
             except RuntimeError as err:  # a backend that refuses the inputs
                 row["error"] = str(err).split("\n")[0][:160]
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                       "prompts": PROMPTS, "completions": COMPLETIONS, "rows": results}, f,
-                      indent=1)
+            json.dump(
+                {
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(),
+                    "prompts": PROMPTS,
+                    "completions": COMPLETIONS,
+                    "rows": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ a varying number of rows. This measures which shape changes are expensive.
     python benchmarks/sdpa_shapes.py --out benchmarks/results/sdpa_shapes_h200.json
 Each variant runs in a fresh process (the plan cache lives for the process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,21 +51,29 @@ def child(variant: str, layers: int, count: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     backends, multiple, _env = VARIANTS[variant]
-    chosen = {"default": None,
-              "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                           SDPBackend.MATH]}[backends]
+    chosen = {
+        "default": None,
+        "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    }[backends]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                         num_hidden_layers=layers, num_attention_heads=16,
-                         num_key_value_heads=8, max_position_embeddings=16384,
-                         pad_token_id=0, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=16384,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
     def step(b: int, s: int) -> float:
         ids = torch.randint(2, 32000, (b, s), device="cuda")
         mask = torch.ones(b, s, dtype=torch.long, device="cuda")
         if b > 1:
-            mask[1:, s - s // 3:] = 0  # padded rows, as a collator pads them
+            mask[1:, s - s // 3 :] = 0  # padded rows, as a collator pads them
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
@@ -81,19 +90,32 @@ def child(variant: str, layers: int, count: int) -> dict:
         s = -(-s // multiple) * multiple
         first = step(b, s)
         again = step(b, s)
-        rows.append({"rows": b, "length": s, "seen": (b, s) in seen, "first_s": first,
-                     "repeat_s": again, "extra_s": first - again})
+        rows.append(
+            {
+                "rows": b,
+                "length": s,
+                "seen": (b, s) in seen,
+                "first_s": first,
+                "repeat_s": again,
+                "extra_s": first - again,
+            }
+        )
         seen.add((b, s))
     if ctx:
         ctx.__exit__(None, None, None)
     later = rows[1:]
-    return {"variant": variant, "layers": layers, "rows": rows,
-            "seconds": sum(r["first_s"] for r in later),
-            "compute_seconds": sum(r["repeat_s"] for r in later),
-            "extra_seconds": sum(r["extra_s"] for r in later),
-            "slow_shapes": sum(r["extra_s"] > 0.5 for r in later),
-            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-            "gpu": torch.cuda.get_device_name()}
+    return {
+        "variant": variant,
+        "layers": layers,
+        "rows": rows,
+        "seconds": sum(r["first_s"] for r in later),
+        "compute_seconds": sum(r["repeat_s"] for r in later),
+        "extra_seconds": sum(r["extra_s"] for r in later),
+        "slow_shapes": sum(r["extra_s"] > 0.5 for r in later),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(),
+    }
 
 
 def main() -> None:
@@ -110,10 +132,24 @@ def main() -> None:
     results = []
     for variant in args.variants.split(","):
         t = time.perf_counter()
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--layers",
-                            str(args.layers), "--count", str(args.count), "--child", variant],
-                           check=False, capture_output=True, text=True,
-                           env={**os.environ, **VARIANTS[variant][2]})
+        p = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--out",
+                args.out,
+                "--layers",
+                str(args.layers),
+                "--count",
+                str(args.count),
+                "--child",
+                variant,
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **VARIANTS[variant][2]},
+        )
         wall = time.perf_counter() - t
         if p.returncode:
             print(p.stderr[-3000:], file=sys.stderr)
@@ -122,14 +158,18 @@ def main() -> None:
         r = json.loads(p.stdout.strip().splitlines()[-1])
         r["process_seconds"] = wall
         results.append(r)
-        print(f"== {variant}  (torch {r['torch']}, cuDNN {r['cudnn']}, {r['gpu']}): "
-              f"{r['seconds']:.2f} s over {len(r['rows']) - 1} shapes, of which "
-              f"{r['extra_seconds']:.2f} s first-call extra, {r['slow_shapes']} shapes > 0.5 s "
-              f"extra; process {wall:.1f} s")
+        print(
+            f"== {variant}  (torch {r['torch']}, cuDNN {r['cudnn']}, {r['gpu']}): "
+            f"{r['seconds']:.2f} s over {len(r['rows']) - 1} shapes, of which "
+            f"{r['extra_seconds']:.2f} s first-call extra, {r['slow_shapes']} shapes > 0.5 s "
+            f"extra; process {wall:.1f} s"
+        )
         for row in r["rows"]:
             if row["extra_s"] > 0.3:
-                print(f"   slow: rows {row['rows']:>3} len {row['length']:>5} "
-                      f"(seen {row['seen']})  extra {row['extra_s']:.3f} s")
+                print(
+                    f"   slow: rows {row['rows']:>3} len {row['length']:>5} "
+                    f"(seen {row['seen']})  extra {row['extra_s']:.3f} s"
+                )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)

@@ -75,8 +75,12 @@ from workloads import equal, long_context, rl_like
 
 from torch_odc import balance
 
-WORKLOADS = {"long-context": long_context, "rl": rl_like, "equal": equal,
-             "rl-packed": rl_like}  # as bench_e2e.WORKLOADS
+WORKLOADS = {
+    "long-context": long_context,
+    "rl": rl_like,
+    "equal": equal,
+    "rl-packed": rl_like,
+}  # as bench_e2e.WORKLOADS
 # name: (dim, layers, heads, kv_heads, ffn, vocab), as bench_e2e.MODELS
 SHAPES = {"1b": (2048, 19, 16, 8, 5632, 32000), "7b": (4096, 32, 32, 32, 11008, 32000)}
 # The committed e2e run whose calibration each model uses (the cost model of its planner).
@@ -88,8 +92,11 @@ def n_params(model: str) -> float:
     """Parameters of bench_e2e's Llama (as benchmarks/planner_bounds.py counts them)."""
     dim, layers, heads, kv_heads, ffn, vocab = SHAPES[model]
     kv_dim = dim // heads * kv_heads
-    return float(layers * (2 * dim * dim + 2 * dim * kv_dim + 3 * dim * ffn + 2 * dim)
-                 + 2 * vocab * dim + dim)
+    return float(
+        layers * (2 * dim * dim + 2 * dim * kv_dim + 3 * dim * ffn + 2 * dim)
+        + 2 * vocab * dim
+        + dim
+    )
 
 
 @dataclass(frozen=True)
@@ -133,8 +140,9 @@ def comm_times(model: Model, m: Machine) -> dict:
         "ag": _time((g - 1) / g * model.param_bytes * layer, m.nvlink_gbs),
         "rs": _time((g - 1) / g * model.grad_bytes * layer, m.nvlink_gbs),
         "ar": _time(ring * model.grad_bytes * layer, m.link_gbs) + latency if n > 1 else 0.0,
-        "ar_all": (_time(ring * model.grad_bytes * model.n_params, m.link_gbs)
-                   + buckets * latency) if n > 1 else 0.0,
+        "ar_all": (_time(ring * model.grad_bytes * model.n_params, m.link_gbs) + buckets * latency)
+        if n > 1
+        else 0.0,
         # Fully sharded: every GPU of a node reads / writes (N - 1) / N of each layer through
         # the node's link, all G at once in the worst case (they are not synchronized).
         "full_ag": _time(g * remote * model.param_bytes * layer, m.link_gbs),
@@ -144,8 +152,7 @@ def comm_times(model: Model, m: Machine) -> dict:
     }
 
 
-def microbatch_s(c: float, model: Model, fwd: tuple, bwd: tuple, head: float,
-                 tail: float) -> float:
+def microbatch_s(c: float, model: Model, fwd: tuple, bwd: tuple, head: float, tail: float) -> float:
     """One microbatch of compute c with per-layer communication overlapped: each layer takes
     the longest of its compute and each resource's time (fwd / bwd: per-layer seconds of each
     resource), plus what cannot overlap at the ends."""
@@ -153,7 +160,7 @@ def microbatch_s(c: float, model: Model, fwd: tuple, bwd: tuple, head: float,
         return 0.0
     per_f = c * model.forward_share / model.layers
     per_b = c * (1 - model.forward_share) / model.layers
-    return (head + model.layers * max(per_f, *fwd) + model.layers * max(per_b, *bwd) + tail)
+    return head + model.layers * max(per_f, *fwd) + model.layers * max(per_b, *bwd) + tail
 
 
 def fsdp2_micro(c: float, model: Model, t: dict, all_reduce: bool) -> float:
@@ -167,13 +174,18 @@ def odc_micro(c: float, model: Model, t: dict) -> float:
 
 def odc_full_micro(c: float, model: Model, t: dict) -> float:
     ag = (t["full_ag_nvl"], t["full_ag"])
-    return microbatch_s(c, model, ag, (t["full_ag_nvl"] + t["full_rs_nvl"], t["full_ag"],
-                                       t["full_push"]),
-                        max(ag), max(t["full_rs_nvl"], t["full_push"]))
+    return microbatch_s(
+        c,
+        model,
+        ag,
+        (t["full_ag_nvl"] + t["full_rs_nvl"], t["full_ag"], t["full_push"]),
+        max(ag),
+        max(t["full_rs_nvl"], t["full_push"]),
+    )
 
 
 def _nodes(per_rank: list, g: int) -> list:
-    return [per_rank[i:i + g] for i in range(0, len(per_rank), g)]
+    return [per_rank[i : i + g] for i in range(0, len(per_rank), g)]
 
 
 def fsdp2_step(micro_costs: list, model: Model, m: Machine, every: bool = True) -> float:
@@ -184,12 +196,16 @@ def fsdp2_step(micro_costs: list, model: Model, m: Machine, every: bool = True) 
     if any(len(r) != count for r in micro_costs):
         raise ValueError("LB-Micro gives every rank the same number of microbatches")
     if every or m.nodes == 1:  # every index is a collective over all ranks of all nodes
-        return sum(fsdp2_micro(max(r[j] for r in micro_costs), model, t, m.nodes > 1)
-                   for j in range(count))
+        return sum(
+            fsdp2_micro(max(r[j] for r in micro_costs), model, t, m.nodes > 1) for j in range(count)
+        )
     ends = []
     for node in _nodes(micro_costs, m.gpus_per_node):  # lockstep inside the node only
-        ends.append(sum(fsdp2_micro(max(r[j] for r in node), model, t, j == count - 1)
-                        for j in range(count)))
+        ends.append(
+            sum(
+                fsdp2_micro(max(r[j] for r in node), model, t, j == count - 1) for j in range(count)
+            )
+        )
     return max(ends)
 
 
@@ -221,8 +237,10 @@ def odc_full_step(micro_costs: list, model: Model, m: Machine) -> float:
 def rank_costs(plan, cost, lengths, pad_cost: float) -> list:
     """Each rank's microbatch costs under `plan` (a padding microbatch costs pad_cost: FSDP2
     still runs it)."""
-    return [[sum(cost(int(lengths[i])) for i in mb) if mb else pad_cost for mb in rank]
-            for rank in plan.microbatches]
+    return [
+        [sum(cost(int(lengths[i])) for i in mb) if mb else pad_cost for mb in rank]
+        for rank in plan.microbatches
+    ]
 
 
 def plan(lengths, world: int, mode: str, cost, pack: int):
@@ -240,9 +258,15 @@ def load_calibration(model: str, results: str) -> tuple:
 
 def time_cost(cal: dict, model: str, pack: int) -> balance.TimeCost:
     dim, layers = SHAPES[model][0], SHAPES[model][1]
-    return balance.TimeCost(cal["floor_s"], cal["dense_flops_per_s"],
-                            cal["attention_flops_per_s"], n_params(model), layers, dim,
-                            max(1, pack))
+    return balance.TimeCost(
+        cal["floor_s"],
+        cal["dense_flops_per_s"],
+        cal["attention_flops_per_s"],
+        n_params(model),
+        layers,
+        dim,
+        max(1, pack),
+    )
 
 
 def model_of(model: str) -> Model:
@@ -257,27 +281,34 @@ def minibatch(model: str, m: Machine, lengths, cost, pad: float) -> dict:
     mini = plan(lengths, world, "mini", cost, 1)
     micro_c = rank_costs(micro, cost, lengths, pad)
     mini_c = rank_costs(mini, cost, lengths, pad)
-    return {"fsdp2_every": fsdp2_step(micro_c, shape, m, every=True),
-            "fsdp2_once": fsdp2_step(micro_c, shape, m, every=False),
-            "odc": odc_step(mini_c, shape, m),
-            "odc_overlap": odc_step(mini_c, shape, m, overlap=True),
-            "odc_full": odc_full_step(mini_c, shape, m),
-            "planner_micro": micro.makespan, "planner_mini": mini.makespan,
-            "lower_bound": mini.lower_bound}
+    return {
+        "fsdp2_every": fsdp2_step(micro_c, shape, m, every=True),
+        "fsdp2_once": fsdp2_step(micro_c, shape, m, every=False),
+        "odc": odc_step(mini_c, shape, m),
+        "odc_overlap": odc_step(mini_c, shape, m, overlap=True),
+        "odc_full": odc_full_step(mini_c, shape, m),
+        "planner_micro": micro.makespan,
+        "planner_mini": mini.makespan,
+        "lower_bound": mini.lower_bound,
+    }
 
 
-def project(model: str, workload: str, m: Machine, cost, seqs_per_rank: int, draws: int,
-            seed: int) -> dict:
+def project(
+    model: str, workload: str, m: Machine, cost, seqs_per_rank: int, draws: int, seed: int
+) -> dict:
     rng = np.random.default_rng(seed)
     world = m.nodes * m.gpus_per_node
     pad = cost(2)  # bench_e2e runs a padding microbatch as a 2-token sequence
-    rows = [minibatch(model, m, WORKLOADS[workload](rng, seqs_per_rank * world), cost, pad)
-            for _ in range(draws)]
+    rows = [
+        minibatch(model, m, WORKLOADS[workload](rng, seqs_per_rank * world), cost, pad)
+        for _ in range(draws)
+    ]
     out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
     for base in ("fsdp2_every", "fsdp2_once"):
         for scheme in ("odc", "odc_overlap", "odc_full"):
-            out[f"{scheme}_speedup_vs_{base}"] = (sum(r[base] for r in rows)
-                                                  / sum(r[scheme] for r in rows))
+            out[f"{scheme}_speedup_vs_{base}"] = sum(r[base] for r in rows) / sum(
+                r[scheme] for r in rows
+            )
     out["planner_bound"] = out["planner_micro"] / out["planner_mini"]
     out["ar_all_s"] = comm_times(model_of(model), m)["ar_all"]
     return out
@@ -300,25 +331,38 @@ def validate(path: str, nvlink_gbs: float) -> list:
     m = Machine(nodes=1, gpus_per_node=world, nvlink_gbs=nvlink_gbs)
     out = []
     for workload, entry in data["workloads"].items():
-        pack = (_arg(command, "--rl-pack-tokens", 16384) if workload == "rl-packed"
-                else _arg(command, "--pack-tokens", 1))
+        pack = (
+            _arg(command, "--rl-pack-tokens", 16384)
+            if workload == "rl-packed"
+            else _arg(command, "--pack-tokens", 1)
+        )
         if pack > 1:  # packed microbatches: the floor is shared; skip (the model is per sequence)
             continue
         cost = time_cost(data["cost_model"]["calibration"], model, pack)
         rng = np.random.default_rng(1234)  # bench_e2e.workload_lengths
-        draws = [np.maximum(2, WORKLOADS[workload](rng, spr * world)).astype(np.int64)
-                 for _ in range(warmup + measured + 1)][warmup:-1]
+        draws = [
+            np.maximum(2, WORKLOADS[workload](rng, spr * world)).astype(np.int64)
+            for _ in range(warmup + measured + 1)
+        ][warmup:-1]
         rows = [minibatch(model, m, x, cost, cost(2)) for x in draws]
         configs = entry["configs"]
         if "nccl-micro" not in configs or "odc-mini" not in configs:
             continue
         got = {"fsdp2": sum(r["fsdp2_every"] for r in rows), "odc": sum(r["odc"] for r in rows)}
         meas = {"fsdp2": configs["nccl-micro"]["wall_s"], "odc": configs["odc-mini"]["wall_s"]}
-        out.append({"file": os.path.basename(path), "workload": workload, "model": model,
-                    "ranks": world, "minibatches": len(rows),
-                    "modeled_s": got, "measured_s": meas,
-                    "modeled_speedup": got["fsdp2"] / got["odc"],
-                    "measured_speedup": meas["fsdp2"] / meas["odc"]})
+        out.append(
+            {
+                "file": os.path.basename(path),
+                "workload": workload,
+                "model": model,
+                "ranks": world,
+                "minibatches": len(rows),
+                "modeled_s": got,
+                "measured_s": meas,
+                "modeled_speedup": got["fsdp2"] / got["odc"],
+                "measured_speedup": meas["fsdp2"] / meas["odc"],
+            }
+        )
     return out
 
 
@@ -338,9 +382,16 @@ def calibration_check(data: dict, model: str) -> dict:
                     if tokens and gpu_ms:
                         errors.append(cost(tokens) / (gpu_ms / 1e3) - 1)
     e = np.array(errors)
-    return {"microbatches": len(e), "mean_rel_error": float(e.mean()),
-            "mean_abs_rel_error": float(np.abs(e).mean()), "max_abs_rel_error":
-            float(np.abs(e).max())} if len(e) else {"microbatches": 0}
+    return (
+        {
+            "microbatches": len(e),
+            "mean_rel_error": float(e.mean()),
+            "mean_abs_rel_error": float(np.abs(e).mean()),
+            "max_abs_rel_error": float(np.abs(e).max()),
+        }
+        if len(e)
+        else {"microbatches": 0}
+    )
 
 
 def plot(result: dict, path: str) -> None:
@@ -355,17 +406,31 @@ def plot(result: dict, path: str) -> None:
     colors = {25.0: "tab:red", 50.0: "tab:blue", 400.0: "tab:gray"}
     for ax, w in zip(np.atleast_1d(axes), workloads):
         spr = result["seqs_per_rank"][0]
-        rows = [r for r in result["rows"] if r["model"] == model and r["workload"] == w
-                and r["seqs_per_rank"] == spr]
+        rows = [
+            r
+            for r in result["rows"]
+            if r["model"] == model and r["workload"] == w and r["seqs_per_rank"] == spr
+        ]
         for link in result["link_gbs"]:
-            sel = sorted((r for r in rows if r["link_gbs"] in (link, None)),
-                         key=lambda r: r["nodes"])
+            sel = sorted(
+                (r for r in rows if r["link_gbs"] in (link, None)), key=lambda r: r["nodes"]
+            )
             x = [r["nodes"] for r in sel]
             c = colors.get(link, None)
-            ax.plot(x, [r["odc_speedup_vs_fsdp2_every"] for r in sel], "o-", color=c,
-                    label=f"{link:g} GB/s/node, vs FSDP2 all-reduce every microbatch")
-            ax.plot(x, [r["odc_speedup_vs_fsdp2_once"] for r in sel], "s--", color=c,
-                    label=f"{link:g} GB/s/node, vs FSDP2 all-reduce once")
+            ax.plot(
+                x,
+                [r["odc_speedup_vs_fsdp2_every"] for r in sel],
+                "o-",
+                color=c,
+                label=f"{link:g} GB/s/node, vs FSDP2 all-reduce every microbatch",
+            )
+            ax.plot(
+                x,
+                [r["odc_speedup_vs_fsdp2_once"] for r in sel],
+                "s--",
+                color=c,
+                label=f"{link:g} GB/s/node, vs FSDP2 all-reduce once",
+            )
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(result["nodes"], [str(n) for n in result["nodes"]])
@@ -381,21 +446,31 @@ def plot(result: dict, path: str) -> None:
 
 
 ASSUMPTIONS = [
-    ("one rank per GPU; mesh (replicate = nodes, shard = GPUs of a node); LB-Micro / LB-Mini "
-     "planned over all ranks of all nodes with torch_odc.balance.plan, one sequence per "
-     "microbatch"),
-    ("compute per microbatch: the committed e2e run's calibrated TimeCost (floor + dense + "
-     "attention) of the model; 1/4 forward, 3/4 recompute + backward (activation checkpointing), "
-     "even over the layers"),
-    ("inside a node: per layer and microbatch two bf16 all-gathers and one fp32 reduce-scatter at "
-     "nvlink_gbs, overlapped with compute per layer, the first all-gather and the last "
-     "reduce-scatter exposed; the same bytes and rate for ODC's one-sided gathers and pushes"),
-    ("FSDP2: every microbatch index takes the slowest rank of the ranks that meet per layer (all "
-     "nodes for fsdp2_every, the node for fsdp2_once); ODC ranks meet once per minibatch"),
-    ("across nodes: ring all-reduce of the fp32 gradient shards, the node's G rings sharing its "
-     "link: 2 (N - 1) / N * 4 P / link_gbs seconds for the model, plus 2 (N - 1) steps of "
-     "link_latency_s; fsdp2_every per layer per microbatch overlapped with the backward; "
-     "fsdp2_once in the last microbatch's backward; odc after the barrier, not overlapped"),
+    (
+        "one rank per GPU; mesh (replicate = nodes, shard = GPUs of a node); LB-Micro / LB-Mini "
+        "planned over all ranks of all nodes with torch_odc.balance.plan, one sequence per "
+        "microbatch"
+    ),
+    (
+        "compute per microbatch: the committed e2e run's calibrated TimeCost (floor + dense + "
+        "attention) of the model; 1/4 forward, 3/4 recompute + backward (activation checkpointing), "
+        "even over the layers"
+    ),
+    (
+        "inside a node: per layer and microbatch two bf16 all-gathers and one fp32 reduce-scatter at "
+        "nvlink_gbs, overlapped with compute per layer, the first all-gather and the last "
+        "reduce-scatter exposed; the same bytes and rate for ODC's one-sided gathers and pushes"
+    ),
+    (
+        "FSDP2: every microbatch index takes the slowest rank of the ranks that meet per layer (all "
+        "nodes for fsdp2_every, the node for fsdp2_once); ODC ranks meet once per minibatch"
+    ),
+    (
+        "across nodes: ring all-reduce of the fp32 gradient shards, the node's G rings sharing its "
+        "link: 2 (N - 1) / N * 4 P / link_gbs seconds for the model, plus 2 (N - 1) steps of "
+        "link_latency_s; fsdp2_every per layer per microbatch overlapped with the backward; "
+        "fsdp2_once in the last microbatch's backward; odc after the barrier, not overlapped"
+    ),
     "odc_overlap and odc_full are designs, not implemented (docs/multinode.md)",
     "not modeled: the optimizer step, host jitter, other traffic on the network, memory limits",
 ]
@@ -409,14 +484,21 @@ def main(argv=None) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--link-gbs", default="25,50,400", help="inter-node GB/s per node")
     p.add_argument("--nvlink-gbs", type=float, default=300.0)
-    p.add_argument("--seqs-per-rank", default="4,16",
-                   help="comma-separated; the plot shows the first")
+    p.add_argument(
+        "--seqs-per-rank", default="4,16", help="comma-separated; the plot shows the first"
+    )
     p.add_argument("--draws", type=int, default=30, help="minibatches per row")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--results", default=os.path.join(HERE, "results"),
-                   help="where the committed e2e JSONs are read")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "multinode_projection"),
-                   help="output path without .json / .png")
+    p.add_argument(
+        "--results",
+        default=os.path.join(HERE, "results"),
+        help="where the committed e2e JSONs are read",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(HERE, "results", "multinode_projection"),
+        help="output path without .json / .png",
+    )
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -427,58 +509,86 @@ def main(argv=None) -> None:
     rows, calibrations = [], {}
     for model in models:
         cost, data = load_calibration(model, args.results)
-        calibrations[model] = {"file": CALIBRATION_FILES[model],
-                               "gpu": data["environment"].get("gpu"),
-                               "time_cost": asdict(cost),
-                               "calibration_check": calibration_check(data, model),
-                               "n_params": n_params(model)}
-        print(f"{model}: {calibrations[model]['file']}, cost model vs its measured ODC "
-              f"microbatches: {calibrations[model]['calibration_check']}")
+        calibrations[model] = {
+            "file": CALIBRATION_FILES[model],
+            "gpu": data["environment"].get("gpu"),
+            "time_cost": asdict(cost),
+            "calibration_check": calibration_check(data, model),
+            "n_params": n_params(model),
+        }
+        print(
+            f"{model}: {calibrations[model]['file']}, cost model vs its measured ODC "
+            f"microbatches: {calibrations[model]['calibration_check']}"
+        )
         for spr in sprs:
             for workload in workloads:
                 for n in nodes:
-                    for link in (links if n > 1 else [None]):
-                        m = Machine(nodes=n, gpus_per_node=args.gpus_per_node,
-                                    link_gbs=link if link else math.inf,
-                                    nvlink_gbs=args.nvlink_gbs)
-                        row = {"model": model, "workload": workload, "seqs_per_rank": spr,
-                               "nodes": n, "link_gbs": link,
-                               **project(model, workload, m, cost, spr, args.draws, args.seed)}
+                    for link in links if n > 1 else [None]:
+                        m = Machine(
+                            nodes=n,
+                            gpus_per_node=args.gpus_per_node,
+                            link_gbs=link if link else math.inf,
+                            nvlink_gbs=args.nvlink_gbs,
+                        )
+                        row = {
+                            "model": model,
+                            "workload": workload,
+                            "seqs_per_rank": spr,
+                            "nodes": n,
+                            "link_gbs": link,
+                            **project(model, workload, m, cost, spr, args.draws, args.seed),
+                        }
                         rows.append(row)
-                        print(f"{model} {workload:<13} spr {spr:2d} nodes {n} link "
-                              f"{link or '-':>5}: FSDP2 every {row['fsdp2_every']:6.2f} s, "
-                              f"once {row['fsdp2_once']:6.2f}, ODC {row['odc']:6.2f} "
-                              f"(all-reduce {row['ar_all_s']:.2f}); ODC vs every "
-                              f"{row['odc_speedup_vs_fsdp2_every']:.3f}, vs once "
-                              f"{row['odc_speedup_vs_fsdp2_once']:.3f} (designs vs once: "
-                              f"overlap {row['odc_overlap_speedup_vs_fsdp2_once']:.3f}, full "
-                              f"{row['odc_full_speedup_vs_fsdp2_once']:.3f}); bound "
-                              f"{row['planner_bound']:.3f}", flush=True)
+                        print(
+                            f"{model} {workload:<13} spr {spr:2d} nodes {n} link "
+                            f"{link or '-':>5}: FSDP2 every {row['fsdp2_every']:6.2f} s, "
+                            f"once {row['fsdp2_once']:6.2f}, ODC {row['odc']:6.2f} "
+                            f"(all-reduce {row['ar_all_s']:.2f}); ODC vs every "
+                            f"{row['odc_speedup_vs_fsdp2_every']:.3f}, vs once "
+                            f"{row['odc_speedup_vs_fsdp2_once']:.3f} (designs vs once: "
+                            f"overlap {row['odc_overlap_speedup_vs_fsdp2_once']:.3f}, full "
+                            f"{row['odc_full_speedup_vs_fsdp2_once']:.3f}); bound "
+                            f"{row['planner_bound']:.3f}",
+                            flush=True,
+                        )
     validation = []
     for name in sorted(os.listdir(args.results)):
         if name.startswith("e2e_") and name.endswith(".json"):
             with open(os.path.join(args.results, name)) as f:
                 world = json.load(f)["world"]
-            validation += validate(os.path.join(args.results, name),
-                                   270.0 if world == 2 else args.nvlink_gbs)
+            validation += validate(
+                os.path.join(args.results, name), 270.0 if world == 2 else args.nvlink_gbs
+            )
     for v in validation:
-        print(f"validation {v['file']} {v['workload']}: modeled speed-up "
-              f"{v['modeled_speedup']:.3f} (FSDP2 {v['modeled_s']['fsdp2']:.2f} s, ODC "
-              f"{v['modeled_s']['odc']:.2f} s), measured {v['measured_speedup']:.3f} "
-              f"({v['measured_s']['fsdp2']:.2f} s, {v['measured_s']['odc']:.2f} s)")
+        print(
+            f"validation {v['file']} {v['workload']}: modeled speed-up "
+            f"{v['modeled_speedup']:.3f} (FSDP2 {v['modeled_s']['fsdp2']:.2f} s, ODC "
+            f"{v['modeled_s']['odc']:.2f} s), measured {v['measured_speedup']:.3f} "
+            f"({v['measured_s']['fsdp2']:.2f} s, {v['measured_s']['odc']:.2f} s)"
+        )
     result = {
         "what": "modeled seconds per minibatch and speed-ups of ODC over FSDP2-HSDP, N nodes",
         "assumptions": ASSUMPTIONS,
-        "machine": {"gpus_per_node": args.gpus_per_node, "nvlink_gbs": args.nvlink_gbs,
-                    "link_latency_s": Machine(1).link_latency_s,
-                    "odc_barrier_s": Machine(1).barrier_s,
-                    "link_gbs_why": "per node: 25 / 50 GB/s = one 200 / 400 Gb/s NIC per node; "
-                                    "400 GB/s = 8 x 400 Gb/s NICs (rail-optimized HGX)"},
-        "calibrations": calibrations, "seqs_per_rank": sprs,
-        "draws": args.draws, "seed": args.seed, "nodes": nodes, "link_gbs": links,
-        "gpus_per_node": args.gpus_per_node, "workloads": workloads, "plot_model": models[0],
+        "machine": {
+            "gpus_per_node": args.gpus_per_node,
+            "nvlink_gbs": args.nvlink_gbs,
+            "link_latency_s": Machine(1).link_latency_s,
+            "odc_barrier_s": Machine(1).barrier_s,
+            "link_gbs_why": "per node: 25 / 50 GB/s = one 200 / 400 Gb/s NIC per node; "
+            "400 GB/s = 8 x 400 Gb/s NICs (rail-optimized HGX)",
+        },
+        "calibrations": calibrations,
+        "seqs_per_rank": sprs,
+        "draws": args.draws,
+        "seed": args.seed,
+        "nodes": nodes,
+        "link_gbs": links,
+        "gpus_per_node": args.gpus_per_node,
+        "workloads": workloads,
+        "plot_model": models[0],
         "command": " ".join(["python", "benchmarks/sim_multinode.py"] + (argv or sys.argv[1:])),
-        "rows": rows, "validation_one_node": validation,
+        "rows": rows,
+        "validation_one_node": validation,
     }
     out = args.out
     with open(out + ".json", "w") as f:

@@ -29,8 +29,14 @@ def read(path: str) -> list[dict]:
                 if outcome != "skipped":
                     break  # a failure beside a teardown error counts once, as failed
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        cases.append({"name": name, "outcome": outcome, "seconds": float(case.get("time") or 0),
-                      "message": message})
+        cases.append(
+            {
+                "name": name,
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": message,
+            }
+        )
     return cases
 
 
@@ -51,12 +57,20 @@ def unexpected_skip(reason: str, gpus: int) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wall", type=float, required=True, help="wall seconds of the stage")
-    parser.add_argument("--phase", action="append", default=[],
-                        help="NAME=JUNIT_XML:EXIT_CODE:SECONDS (exit code and seconds optional)")
+    parser.add_argument(
+        "--phase",
+        action="append",
+        default=[],
+        help="NAME=JUNIT_XML:EXIT_CODE:SECONDS (exit code and seconds optional)",
+    )
     parser.add_argument("--slowest", type=int, default=12)
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs of the machine: a skip asking for as many or fewer (or for a "
-                             "package that did not import) makes the run not green")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs of the machine: a skip asking for as many or fewer (or for a "
+        "package that did not import) makes the run not green",
+    )
     args = parser.parse_args(argv)
     cases, notes = [], []
     for spec in args.phase:
@@ -76,20 +90,30 @@ def main(argv=None) -> int:
             c["phase"] = name
         cases += got
         counts = collections.Counter(c["outcome"] for c in got)
-        notes.append(f"{where}: {len(got)} tests, {counts['passed']} passed, "
-                     f"{counts['failed']} failed, {counts['skipped']} skipped, "
-                     f"{counts['error']} errors")
+        notes.append(
+            f"{where}: {len(got)} tests, {counts['passed']} passed, "
+            f"{counts['failed']} failed, {counts['skipped']} skipped, "
+            f"{counts['error']} errors"
+        )
     counts = collections.Counter(c["outcome"] for c in cases)
     reasons = collections.Counter(c["message"] for c in cases if c["outcome"] == "skipped")
     unexpected = {r for r in reasons if args.gpus is not None and unexpected_skip(r, args.gpus)}
     if unexpected:
-        notes.append(f"{sum(reasons[r] for r in unexpected)} skipped that this machine "
-                     f"({args.gpus} GPUs) should run (marked !)")
-    ok = counts["failed"] == 0 and counts["error"] == 0 and not unexpected and not any(
-        "time limit" in n or "exited" in n or "no report" in n for n in notes)
-    print(f"GPU SUITE {'GREEN' if ok else 'NOT GREEN'}: {counts['passed']} passed, "
-          f"{counts['failed']} failed, {counts['skipped']} skipped, {counts['error']} errors "
-          f"in {args.wall:.0f} s wall")
+        notes.append(
+            f"{sum(reasons[r] for r in unexpected)} skipped that this machine "
+            f"({args.gpus} GPUs) should run (marked !)"
+        )
+    ok = (
+        counts["failed"] == 0
+        and counts["error"] == 0
+        and not unexpected
+        and not any("time limit" in n or "exited" in n or "no report" in n for n in notes)
+    )
+    print(
+        f"GPU SUITE {'GREEN' if ok else 'NOT GREEN'}: {counts['passed']} passed, "
+        f"{counts['failed']} failed, {counts['skipped']} skipped, {counts['error']} errors "
+        f"in {args.wall:.0f} s wall"
+    )
     for n in notes:
         print(f"  {n}")
     if reasons:
@@ -100,12 +124,14 @@ def main(argv=None) -> int:
     if bad:
         print("failed / errors:")
         for c in bad:
-            print(f"  {c['outcome']}: {c['name']} ({c['phase']}, {c['seconds']:.0f} s): "
-                  f"{' '.join(c['message'].split())[:300]}")
+            print(
+                f"  {c['outcome']}: {c['name']} ({c['phase']}, {c['seconds']:.0f} s): "
+                f"{' '.join(c['message'].split())[:300]}"
+            )
     slow = sorted((c for c in cases if c["outcome"] != "skipped"), key=lambda c: -c["seconds"])
     if slow:
         print(f"slowest {min(args.slowest, len(slow))} (seconds in the test, its phase):")
-        for c in slow[:args.slowest]:
+        for c in slow[: args.slowest]:
             print(f"  {c['seconds']:6.1f}  {c['name']} ({c['phase']})")
     return 0 if ok else 1
 

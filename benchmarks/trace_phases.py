@@ -52,8 +52,9 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in _outermost(spans))
 
 
-def _clip(spans: list[tuple[float, float]], windows: list[tuple[float, float]]
-          ) -> list[tuple[float, float]]:
+def _clip(
+    spans: list[tuple[float, float]], windows: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """The parts of ``spans`` inside ``windows`` (sorted, disjoint)."""
     out = []
     for a, b in spans:
@@ -63,15 +64,22 @@ def _clip(spans: list[tuple[float, float]], windows: list[tuple[float, float]]
     return out
 
 
-def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",),
-           within: str | None = None) -> dict:
+def phases(
+    path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",), within: str | None = None
+) -> dict:
     """One trace's table (see the module's docstring); ``within``: only the parts of ranges
     and device work inside that range's instances."""
     events = _load(path)
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
-                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    device = [(launch_ts.get(e.get("args", {}).get("correlation")), e["ts"], e["dur"])
-              for e in events if e.get("cat") in DEVICE_CATS]
+    launch_ts = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    device = [
+        (launch_ts.get(e.get("args", {}).get("correlation")), e["ts"], e["dur"])
+        for e in events
+        if e.get("cat") in DEVICE_CATS
+    ]
     by_name: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
         if e.get("cat") in RANGE_CATS:
@@ -79,15 +87,17 @@ def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",),
     windows = None
     if within is not None:
         if within.startswith("after:"):  # from the end of the range's last instance on
-            ends = [b for _, b in by_name.get(within[len("after:"):], [])]
+            ends = [b for _, b in by_name.get(within[len("after:") :], [])]
             last = max(e["ts"] + e["dur"] for e in events)
             windows = [(max(ends), last)] if ends else []
         else:
             windows = _outermost(by_name.get(within, []))
-        by_name = {name: clipped for name, spans in by_name.items()
-                   if (clipped := _clip(spans, windows))}
-        device = [d for d in device
-                  if d[0] is not None and any(wa <= d[0] <= wb for wa, wb in windows)]
+        by_name = {
+            name: clipped for name, spans in by_name.items() if (clipped := _clip(spans, windows))
+        }
+        device = [
+            d for d in device if d[0] is not None and any(wa <= d[0] <= wb for wa, wb in windows)
+        ]
     launched = sorted((ts, dur) for ts, _, dur in device if ts is not None)
     starts = [ts for ts, _ in launched]
     prefix = [0.0]
@@ -95,50 +105,77 @@ def phases(path: str, each: tuple[str, ...] = ("odc::grpo_microbatches",),
         prefix.append(prefix[-1] + dur)
 
     def device_ms(a: float, b: float) -> float:
-        return (prefix[bisect.bisect_right(starts, b)] - prefix[bisect.bisect_left(starts, a)]) / 1e3
+        return (
+            prefix[bisect.bisect_right(starts, b)] - prefix[bisect.bisect_left(starts, a)]
+        ) / 1e3
 
     table = {}
     for name, spans in by_name.items():
         spans = _outermost(spans)
-        table[name] = {"calls": len(spans),
-                       "host_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
-                       "device_ms": round(sum(device_ms(a, b) for a, b in spans), 3)}
-    instances = {name: [{"host_ms": round((b - a) / 1e3, 3), "device_ms": round(device_ms(a, b), 3)}
-                        for a, b in sorted(by_name[name])] for name in each if name in by_name}
+        table[name] = {
+            "calls": len(spans),
+            "host_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
+            "device_ms": round(sum(device_ms(a, b) for a, b in spans), 3),
+        }
+    instances = {
+        name: [
+            {"host_ms": round((b - a) / 1e3, 3), "device_ms": round(device_ms(a, b), 3)}
+            for a, b in sorted(by_name[name])
+        ]
+        for name in each
+        if name in by_name
+    }
     if windows:
         span = sum(b - a for a, b in windows)
     else:
         span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    return {"trace": os.path.basename(path), "within": within, "span_ms": round(span / 1e3, 3),
-            "device_busy_ms": round(_union([(ts, ts + dur) for _, ts, dur in device]) / 1e3, 3),
-            "ranges": dict(sorted(table.items(), key=lambda kv: -kv[1]["host_ms"])),
-            "instances": instances}
+    return {
+        "trace": os.path.basename(path),
+        "within": within,
+        "span_ms": round(span / 1e3, 3),
+        "device_busy_ms": round(_union([(ts, ts + dur) for _, ts, dur in device]) / 1e3, 3),
+        "ranges": dict(sorted(table.items(), key=lambda kv: -kv[1]["host_ms"])),
+        "instances": instances,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+")
-    ap.add_argument("--each", default="odc::grpo_microbatches",
-                    help="comma-separated range names listed instance by instance")
+    ap.add_argument(
+        "--each",
+        default="odc::grpo_microbatches",
+        help="comma-separated range names listed instance by instance",
+    )
     ap.add_argument("--top", type=int, default=25, help="ranges printed per trace")
-    ap.add_argument("--within", default=None,
-                    help="only what runs inside this range's instances (its host time, and "
-                    "the device work launched there), e.g. odc::grpo_microbatches; "
-                    "after:NAME: from the end of NAME's last instance to the trace's end")
+    ap.add_argument(
+        "--within",
+        default=None,
+        help="only what runs inside this range's instances (its host time, and "
+        "the device work launched there), e.g. odc::grpo_microbatches; "
+        "after:NAME: from the end of NAME's last instance to the trace's end",
+    )
     ap.add_argument("--json", default=None, help="write every trace's table there")
     args = ap.parse_args()
     each = tuple(n for n in args.each.split(",") if n)
     out = [phases(path, each, args.within) for path in args.traces]
     for t in out:
         where = f" (within {t['within']})" if t["within"] else ""
-        print(f"{t['trace']}{where}: span {t['span_ms']:.1f} ms, "
-              f"device busy {t['device_busy_ms']:.1f} ms")
+        print(
+            f"{t['trace']}{where}: span {t['span_ms']:.1f} ms, "
+            f"device busy {t['device_busy_ms']:.1f} ms"
+        )
         print(f"  {'range':<60} {'calls':>6} {'host ms':>10} {'device ms':>10}")
-        for name, r in list(t["ranges"].items())[:args.top]:
-            print(f"  {name[:60]:<60} {r['calls']:>6} {r['host_ms']:>10.1f} {r['device_ms']:>10.1f}")
+        for name, r in list(t["ranges"].items())[: args.top]:
+            print(
+                f"  {name[:60]:<60} {r['calls']:>6} {r['host_ms']:>10.1f} {r['device_ms']:>10.1f}"
+            )
         for name, rows in t["instances"].items():
-            print(f"  {name}: " + ", ".join(f"{r['host_ms']:.1f}/{r['device_ms']:.1f}" for r in rows)
-                  + " (host/device ms)")
+            print(
+                f"  {name}: "
+                + ", ".join(f"{r['host_ms']:.1f}/{r['device_ms']:.1f}" for r in rows)
+                + " (host/device ms)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -256,8 +256,11 @@ def compare_all(rank, world, device_kind, ref_backend):
     Returns {case name: (None if identical else a description of the difference, outcome kind
     on odc: "ok" or "error")}.
     """
-    device = torch.device(device_kind, torch.cuda.current_device()) if device_kind == "cuda" else (
-        torch.device("cpu"))
+    device = (
+        torch.device(device_kind, torch.cuda.current_device())
+        if device_kind == "cuda"
+        else (torch.device("cpu"))
+    )
     odc = dist.group.WORLD
     ref = dist.new_group(backend=ref_backend)
     report = {}

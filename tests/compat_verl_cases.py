@@ -38,21 +38,32 @@ def build_engine(model_path: str):
     from torch_odc.integrations.verl import ODCEngineConfig, ODCFSDPEngineWithLMHead
 
     return ODCFSDPEngineWithLMHead(
-        model_config=HFModelConfig(path=model_path, load_tokenizer=False,
-                                   override_config={"attn_implementation": "eager"}),
-        engine_config=ODCEngineConfig(strategy="odc", model_dtype="fp32",
-                                      use_torch_compile=False, use_dynamic_bsz=True,
-                                      max_token_len_per_gpu=48, infer_max_token_len_per_gpu=48),
+        model_config=HFModelConfig(
+            path=model_path, load_tokenizer=False, override_config={"attn_implementation": "eager"}
+        ),
+        engine_config=ODCEngineConfig(
+            strategy="odc",
+            model_dtype="fp32",
+            use_torch_compile=False,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=48,
+            infer_max_token_len_per_gpu=48,
+        ),
         optimizer_config=FSDPOptimizerConfig(optimizer="SGD", lr=0.1, total_training_steps=1),
-        checkpoint_config=CheckpointConfig())
+        checkpoint_config=CheckpointConfig(),
+    )
 
 
 def constructed(model_path: str) -> dict:
     try:
         engine = build_engine(model_path)
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"ok": False, "type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                "message": str(e)}
+        return {
+            "ok": False,
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "message": str(e),
+        }
     return {"ok": True, "class": type(engine).__name__, "active": engine.odc_active}
 
 
@@ -66,12 +77,15 @@ def main() -> None:
     import torch_odc  # noqa: F401  (registers "odc")
     from torch_odc.integrations.verl import _compat
 
-    out: dict = {"versions": {"verl": metadata.version("verl"), "torch": torch.__version__},
-                 "entries": _compat.MANIFEST.summary(),
-                 "missing": [m.describe() for m in _compat.check()]}
+    out: dict = {
+        "versions": {"verl": metadata.version("verl"), "torch": torch.__version__},
+        "entries": _compat.MANIFEST.summary(),
+        "missing": [m.describe() for m in _compat.check()],
+    }
     with tempfile.TemporaryDirectory(prefix="odc-compat-") as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1
+        )
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         try:
             from verl_cases import build_model

@@ -41,11 +41,15 @@ _TMP_ENV = "ODC_TESTS_TMP"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "serial: asserts a duration or the state of /dev/shm; not run beside other tests "
-        "(benchmarks/device_run.sh runs these alone)")
+        "markers",
+        "serial: asserts a duration or the state of /dev/shm; not run beside other tests "
+        "(benchmarks/device_run.sh runs these alone)",
+    )
     config.addinivalue_line(
-        "markers", "xdist_group(name): tests that share one result run on one pytest-xdist "
-        "worker (--dist loadgroup)")
+        "markers",
+        "xdist_group(name): tests that share one result run on one pytest-xdist "
+        "worker (--dist loadgroup)",
+    )
     if not os.environ.get(_TMP_ENV):
         # Every temporary file of the run (the tests', their ranks', the trainers' output
         # directories) under one directory that goes with the run: spawned ranks and xdist
@@ -120,8 +124,10 @@ def pytest_xdist_make_scheduler(config, log):
                     with open(os.environ[_GROUPS_ENV]) as f:
                         self._groups = json.load(f)
                 except (KeyError, OSError, ValueError) as err:
-                    sys.stderr.write(f"tests/conftest.py: no test groups ({err!r}): tests "
-                                     "sharing a module fixture may run on several workers\n")
+                    sys.stderr.write(
+                        f"tests/conftest.py: no test groups ({err!r}): tests "
+                        "sharing a module fixture may run on several workers\n"
+                    )
                     self._groups = {}
             return self._groups.get(nodeid) or super()._split_scope(nodeid)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -115,8 +115,9 @@ def torchtitan_set_determinism(rank, world, device):
 
 
 def accelerate_dataloader_dispatch(rank, world, device):
-    batch_info = [{"input_ids": (torch.Size([4, 7]), torch.int64)}, False] if rank == 0 else [
-        None, False]
+    batch_info = (
+        [{"input_ids": (torch.Size([4, 7]), torch.int64)}, False] if rank == 0 else [None, False]
+    )
     torch.distributed.broadcast_object_list(batch_info, src=0)
     return [_obj(batch_info)]
 
@@ -257,17 +258,20 @@ def verl_device_mesh(rank, world, device):
     from torch.distributed.device_mesh import init_device_mesh
 
     fsdp_size = 2
-    device_mesh = init_device_mesh(device.type, mesh_shape=(world // fsdp_size, fsdp_size),
-                                   mesh_dim_names=["ddp", "fsdp"])
+    device_mesh = init_device_mesh(
+        device.type, mesh_shape=(world // fsdp_size, fsdp_size), mesh_dim_names=["ddp", "fsdp"]
+    )
     dp_group = device_mesh.get_group("fsdp")
     dp_size = dist.get_world_size(dp_group)
     out = []
     # trainer/sft_trainer.py: batch seqlens gathered with keyword arguments
     batch_seqlens = torch.tensor([5 + rank, 9 - rank], device=device)
-    output_tensor = torch.empty((batch_seqlens.shape[0] * dp_size,), dtype=batch_seqlens.dtype,
-                                device=device)
-    torch.distributed.all_gather_into_tensor(output_tensor=output_tensor,
-                                             input_tensor=batch_seqlens, group=dp_group)
+    output_tensor = torch.empty(
+        (batch_seqlens.shape[0] * dp_size,), dtype=batch_seqlens.dtype, device=device
+    )
+    torch.distributed.all_gather_into_tensor(
+        output_tensor=output_tensor, input_tensor=batch_seqlens, group=dp_group
+    )
     out.append(output_tensor)
     # trainer/sft_trainer.py: validation loss averaged over the dp group
     val_loss = _data(rank, (), device)
@@ -282,8 +286,12 @@ def verl_device_mesh(rank, world, device):
     # workers/rollout/sglang_rollout: gather_object to the sub-mesh's first (global) rank
     mesh = device_mesh["fsdp"]
     gathered = [None for _ in range(dp_size)] if mesh.get_local_rank() == 0 else None
-    dist.gather_object(obj=[("w", rank)], object_gather_list=gathered, dst=mesh.mesh.tolist()[0],
-                       group=mesh.get_group())
+    dist.gather_object(
+        obj=[("w", rank)],
+        object_gather_list=gathered,
+        dst=mesh.mesh.tolist()[0],
+        group=mesh.get_group(),
+    )
     out.append(_obj(gathered))
     ddp_t = _data(rank, (3,), device, salt=2)
     dist.all_reduce(ddp_t, group=device_mesh.get_group("ddp"))
@@ -323,9 +331,9 @@ def verl_dict_tensors(rank, world, device):
     torch.distributed.all_gather_object(all_metrics_lst, {"loss": 0.5 * rank}, group=group)
     # protocol.py all_gather_data_proto: non-tensor batch of numpy arrays
     all_non_tensor_batch = [None for _ in range(world)]
-    torch.distributed.all_gather_object(all_non_tensor_batch,
-                                        {"uid": np.array([f"u{rank}", "x"], dtype=object)},
-                                        group=group)
+    torch.distributed.all_gather_object(
+        all_non_tensor_batch, {"uid": np.array([f"u{rank}", "x"], dtype=object)}, group=group
+    )
     merged = np.concatenate([d["uid"] for d in all_non_tensor_batch]).tolist()
     return _cpu(torch.cat(output), b) + [_obj(all_metrics_lst), _obj(merged)]
 
@@ -347,10 +355,12 @@ def verl_sparse_gather(rank, world, device):
 
 def trl_tp_subgroups(rank, world, device):
     tensor_parallel_size = 2
-    tp_group, _ = torch.distributed.new_subgroups_by_enumeration([
-        list(range(i * tensor_parallel_size, (i + 1) * tensor_parallel_size))
-        for i in range(world // tensor_parallel_size)
-    ])
+    tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+        [
+            list(range(i * tensor_parallel_size, (i + 1) * tensor_parallel_size))
+            for i in range(world // tensor_parallel_size)
+        ]
+    )
     prompts = [f"prompt-{rank}-{i}" for i in range(rank + 1)]
     gathered_prompts = [None for _ in range(tensor_parallel_size)]
     torch.distributed.all_gather_object(gathered_prompts, prompts, group=tp_group)
@@ -362,12 +372,14 @@ def transformers_pipeline_p2p(rank, world, device):
     pp_group = dist.new_group(list(range(world)))
     tensor = _data(rank, (3, 2), device)
     if rank % 2 == 0:
-        op = dist.P2POp(dist.isend, tensor, dist.get_global_rank(pp_group, rank + 1),
-                        group=pp_group)
+        op = dist.P2POp(
+            dist.isend, tensor, dist.get_global_rank(pp_group, rank + 1), group=pp_group
+        )
     else:
         tensor = torch.empty(3, 2, device=device)
-        op = dist.P2POp(dist.irecv, tensor, dist.get_global_rank(pp_group, rank - 1),
-                        group=pp_group)
+        op = dist.P2POp(
+            dist.irecv, tensor, dist.get_global_rank(pp_group, rank - 1), group=pp_group
+        )
     for req in dist.batch_isend_irecv([op]):
         req.wait()
     return _cpu(tensor)
@@ -411,8 +423,11 @@ def accelerate_ddp(rank, world, device, comm_hook=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     model = model.to(device)
-    kwargs = {"device_ids": [device.index], "output_device": device.index} if (
-        device.type == "cuda") else {}
+    kwargs = (
+        {"device_ids": [device.index], "output_device": device.index}
+        if (device.type == "cuda")
+        else {}
+    )
     model = DistributedDataParallel(model, **kwargs)
     if comm_hook is not None:
         model.register_comm_hook(state=None, hook=comm_hook)
@@ -447,31 +462,40 @@ def torchtitan_dcp(rank, world, device):
 
     mesh = init_device_mesh(device.type, (world,))
     state_dict = {
-        "model": {"w": DTensor.from_local(_data(rank, (3, 4), device), mesh, [Shard(0)]),
-                  "b": _data(0, (5,), device, torch.bfloat16)},
+        "model": {
+            "w": DTensor.from_local(_data(rank, (3, 4), device), mesh, [Shard(0)]),
+            "b": _data(0, (5,), device, torch.bfloat16),
+        },
         "train_state": {"step": 7},
     }
     checkpoint_id = os.path.join(_RUN["tmp"], f"dcp-{dist.get_backend()}", "step-7")
     dcp.save(state_dict, checkpoint_id=checkpoint_id)
     loaded = {
-        "model": {"w": DTensor.from_local(torch.zeros(3, 4, device=device), mesh, [Shard(0)]),
-                  "b": torch.zeros(5, device=device, dtype=torch.bfloat16)},
+        "model": {
+            "w": DTensor.from_local(torch.zeros(3, 4, device=device), mesh, [Shard(0)]),
+            "b": torch.zeros(5, device=device, dtype=torch.bfloat16),
+        },
         "train_state": {"step": 0},
     }
     dcp.load(loaded, checkpoint_id=checkpoint_id)
     return _cpu(loaded["model"]["w"].to_local(), loaded["model"]["b"]) + [
-        torch.tensor([loaded["train_state"]["step"]])]
+        torch.tensor([loaded["train_state"]["step"]])
+    ]
 
 
 def transformers_cpu_comm_group(rank, world, device):
     # generation/continuous_batching/distributed.py + continuous_api.py: a gloo group made from
     # the default group, then monitored_barrier on it
     tp_ranks = list(range(world))
-    cpu_comm_group = dist.new_group(ranks=tp_ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=60),
-                                    use_local_synchronization=len(tp_ranks) < world)
-    dist.monitored_barrier(group=cpu_comm_group, timeout=datetime.timedelta(seconds=60),
-                           wait_all_ranks=True)
+    cpu_comm_group = dist.new_group(
+        ranks=tp_ranks,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=60),
+        use_local_synchronization=len(tp_ranks) < world,
+    )
+    dist.monitored_barrier(
+        group=cpu_comm_group, timeout=datetime.timedelta(seconds=60), wait_all_ranks=True
+    )
     acc = torch.tensor([rank])
     dist.all_reduce(acc, op=dist.ReduceOp.MAX, async_op=False, group=cpu_comm_group)
     return [acc]
@@ -483,79 +507,167 @@ def monitored_barrier_default_group(rank, world, device):
     return []
 
 
-A, T, TRL, TT, V = ("accelerate 1.15.0", "transformers 5.23.0", "trl 1.16.0", "torchtitan 0.3.0",
-                    "verl 0.9.1")
+A, T, TRL, TT, V = (
+    "accelerate 1.15.0",
+    "transformers 5.23.0",
+    "trl 1.16.0",
+    "torchtitan 0.3.0",
+    "verl 0.9.1",
+)
 TABLE = [
-    Entry("accelerate_wait_for_everyone", f"{A} state.py PartialState.wait_for_everyone",
-          accelerate_wait_for_everyone),
+    Entry(
+        "accelerate_wait_for_everyone",
+        f"{A} state.py PartialState.wait_for_everyone",
+        accelerate_wait_for_everyone,
+    ),
     Entry("transformers_barrier", f"{T} distributed/utils.py barrier", transformers_barrier),
     Entry("barrier_async", f"{V} / {TT}: dist.barrier(async_op=True).wait()", barrier_async),
-    Entry("torchtitan_set_pg_timeouts", f"{TT} distributed/utils.py set_pg_timeouts",
-          torchtitan_set_pg_timeouts),
-    Entry("accelerate_synchronize_rng_state", f"{A} utils/random.py synchronize_rng_state",
-          accelerate_synchronize_rng_state),
-    Entry("torchtitan_set_determinism", f"{TT} distributed/utils.py set_determinism",
-          torchtitan_set_determinism),
-    Entry("accelerate_dataloader_dispatch",
-          f"{A} data_loader.py DataLoaderDispatcher._fetch_batches (broadcast_object_list)",
-          accelerate_dataloader_dispatch),
-    Entry("transformers_replicated_params",
-          f"{T} trainer.py (params FSDP does not wrap: broadcast, grad all_reduce AVG)",
-          transformers_replicated_params),
-    Entry("accelerate_fsdp2_load_full_state_dict",
-          f"{A} utils/fsdp_utils.py fsdp2_load_full_state_dict (broadcast, distribute_tensor)",
-          accelerate_fsdp2_load_full_state_dict),
-    Entry("accelerate_gather", f"{A} utils/operations.py _gpu_gather (gather_for_metrics; "
-          f"{TRL} sft_trainer.py compute_loss metrics)", accelerate_gather),
-    Entry("accelerate_pad_across_processes", f"{A} utils/operations.py pad_across_processes",
-          accelerate_pad_across_processes),
-    Entry("all_gather_into_tensor_flat_output",
-          f"{A} utils/operations.py _gpu_gather (its non-gloo call, on every backend)",
-          all_gather_into_tensor_flat_output),
+    Entry(
+        "torchtitan_set_pg_timeouts",
+        f"{TT} distributed/utils.py set_pg_timeouts",
+        torchtitan_set_pg_timeouts,
+    ),
+    Entry(
+        "accelerate_synchronize_rng_state",
+        f"{A} utils/random.py synchronize_rng_state",
+        accelerate_synchronize_rng_state,
+    ),
+    Entry(
+        "torchtitan_set_determinism",
+        f"{TT} distributed/utils.py set_determinism",
+        torchtitan_set_determinism,
+    ),
+    Entry(
+        "accelerate_dataloader_dispatch",
+        f"{A} data_loader.py DataLoaderDispatcher._fetch_batches (broadcast_object_list)",
+        accelerate_dataloader_dispatch,
+    ),
+    Entry(
+        "transformers_replicated_params",
+        f"{T} trainer.py (params FSDP does not wrap: broadcast, grad all_reduce AVG)",
+        transformers_replicated_params,
+    ),
+    Entry(
+        "accelerate_fsdp2_load_full_state_dict",
+        f"{A} utils/fsdp_utils.py fsdp2_load_full_state_dict (broadcast, distribute_tensor)",
+        accelerate_fsdp2_load_full_state_dict,
+    ),
+    Entry(
+        "accelerate_gather",
+        f"{A} utils/operations.py _gpu_gather (gather_for_metrics; "
+        f"{TRL} sft_trainer.py compute_loss metrics)",
+        accelerate_gather,
+    ),
+    Entry(
+        "accelerate_pad_across_processes",
+        f"{A} utils/operations.py pad_across_processes",
+        accelerate_pad_across_processes,
+    ),
+    Entry(
+        "all_gather_into_tensor_flat_output",
+        f"{A} utils/operations.py _gpu_gather (its non-gloo call, on every backend)",
+        all_gather_into_tensor_flat_output,
+    ),
     Entry("accelerate_reduce", f"{A} utils/operations.py reduce", accelerate_reduce),
-    Entry("accelerate_gather_object", f"{A} utils/operations.py _gpu_gather_object",
-          accelerate_gather_object),
-    Entry("transformers_distributed_concat",
-          f"{T} trainer_pt_utils.py distributed_concat, distributed_broadcast_scalars",
-          transformers_distributed_concat),
-    Entry("torchtitan_dist_reduce", f"{TT} distributed/utils.py _dist_reduce (dist_max/sum/mean)",
-          torchtitan_dist_reduce),
-    Entry("torchtitan_parallel_dims", f"{TT} distributed/parallel_dims.py build_mesh "
-          "(_unflatten, fake dims, _flatten), components/optimizer/optimizer.py, "
-          "distributed/utils.py clip_grad_norm_", torchtitan_parallel_dims),
-    Entry("verl_device_mesh", f"{V} workers/engine/fsdp/utils.py create_device_mesh, "
-          "trainer/sft_trainer.py, utils/seqlen_balancing.py, sglang_rollout.py",
-          verl_device_mesh),
-    Entry("verl_ulysses_all_to_all", f"{V} utils/ulysses.py all_to_all_tensor",
-          verl_ulysses_all_to_all),
-    Entry("verl_ulysses_all_gather", f"{V} utils/ulysses.py all_gather_tensor",
-          verl_ulysses_all_gather),
-    Entry("verl_dict_tensors", f"{V} utils/torch_functional.py, protocol.py all_gather_data_proto",
-          verl_dict_tensors),
-    Entry("verl_sparse_gather", f"{V} checkpoint_engine/delta_sync/sparse_gather.py",
-          verl_sparse_gather),
-    Entry("trl_tp_subgroups", f"{TRL} generation/vllm_generation.py (new_subgroups_by_enumeration, "
-          "all_gather_object)", trl_tp_subgroups),
-    Entry("transformers_pipeline_p2p", f"{T} distributed/pipeline_parallel.py (batch_isend_irecv)",
-          transformers_pipeline_p2p),
-    Entry("torchtitan_flex_shard_all_to_all",
-          f"{TT} distributed/flex_shard/_optimizer_reshard_runtime.py (all_to_all_single)",
-          torchtitan_flex_shard_all_to_all),
-    Entry("dtensor_redistribute", f"{TT} loss/TP and {T} distributed/tensor_parallel.py: DTensor "
-          "full_tensor / redistribute", dtensor_redistribute),
-    Entry("accelerate_ddp", f"{A} accelerator.py prepare_model (MULTI_CPU: DistributedDataParallel)",
-          accelerate_ddp),
-    Entry("accelerate_ddp_fp16_hook",
-          f"{A} utils/dataclasses.py DistributedDataParallelKwargs.register_comm_hook (FP16)",
-          accelerate_ddp_fp16_hook),
-    Entry("async_work_future", "torch ddp_comm_hooks default_hooks (used by accelerate's hooks)",
-          async_work_future),
-    Entry("torchtitan_dcp", f"{TT} components/checkpointer/dcp.py (dcp.save, dcp.load)",
-          torchtitan_dcp),
-    Entry("transformers_cpu_comm_group", f"{T} generation/continuous_batching/distributed.py, "
-          "continuous_api.py (gloo group, monitored_barrier)", transformers_cpu_comm_group),
-    Entry("monitored_barrier_default_group", "torch dist.monitored_barrier on the default group "
-          "(no framework above calls it there)", monitored_barrier_default_group),
+    Entry(
+        "accelerate_gather_object",
+        f"{A} utils/operations.py _gpu_gather_object",
+        accelerate_gather_object,
+    ),
+    Entry(
+        "transformers_distributed_concat",
+        f"{T} trainer_pt_utils.py distributed_concat, distributed_broadcast_scalars",
+        transformers_distributed_concat,
+    ),
+    Entry(
+        "torchtitan_dist_reduce",
+        f"{TT} distributed/utils.py _dist_reduce (dist_max/sum/mean)",
+        torchtitan_dist_reduce,
+    ),
+    Entry(
+        "torchtitan_parallel_dims",
+        f"{TT} distributed/parallel_dims.py build_mesh "
+        "(_unflatten, fake dims, _flatten), components/optimizer/optimizer.py, "
+        "distributed/utils.py clip_grad_norm_",
+        torchtitan_parallel_dims,
+    ),
+    Entry(
+        "verl_device_mesh",
+        f"{V} workers/engine/fsdp/utils.py create_device_mesh, "
+        "trainer/sft_trainer.py, utils/seqlen_balancing.py, sglang_rollout.py",
+        verl_device_mesh,
+    ),
+    Entry(
+        "verl_ulysses_all_to_all",
+        f"{V} utils/ulysses.py all_to_all_tensor",
+        verl_ulysses_all_to_all,
+    ),
+    Entry(
+        "verl_ulysses_all_gather",
+        f"{V} utils/ulysses.py all_gather_tensor",
+        verl_ulysses_all_gather,
+    ),
+    Entry(
+        "verl_dict_tensors",
+        f"{V} utils/torch_functional.py, protocol.py all_gather_data_proto",
+        verl_dict_tensors,
+    ),
+    Entry(
+        "verl_sparse_gather",
+        f"{V} checkpoint_engine/delta_sync/sparse_gather.py",
+        verl_sparse_gather,
+    ),
+    Entry(
+        "trl_tp_subgroups",
+        f"{TRL} generation/vllm_generation.py (new_subgroups_by_enumeration, all_gather_object)",
+        trl_tp_subgroups,
+    ),
+    Entry(
+        "transformers_pipeline_p2p",
+        f"{T} distributed/pipeline_parallel.py (batch_isend_irecv)",
+        transformers_pipeline_p2p,
+    ),
+    Entry(
+        "torchtitan_flex_shard_all_to_all",
+        f"{TT} distributed/flex_shard/_optimizer_reshard_runtime.py (all_to_all_single)",
+        torchtitan_flex_shard_all_to_all,
+    ),
+    Entry(
+        "dtensor_redistribute",
+        f"{TT} loss/TP and {T} distributed/tensor_parallel.py: DTensor full_tensor / redistribute",
+        dtensor_redistribute,
+    ),
+    Entry(
+        "accelerate_ddp",
+        f"{A} accelerator.py prepare_model (MULTI_CPU: DistributedDataParallel)",
+        accelerate_ddp,
+    ),
+    Entry(
+        "accelerate_ddp_fp16_hook",
+        f"{A} utils/dataclasses.py DistributedDataParallelKwargs.register_comm_hook (FP16)",
+        accelerate_ddp_fp16_hook,
+    ),
+    Entry(
+        "async_work_future",
+        "torch ddp_comm_hooks default_hooks (used by accelerate's hooks)",
+        async_work_future,
+    ),
+    Entry(
+        "torchtitan_dcp",
+        f"{TT} components/checkpointer/dcp.py (dcp.save, dcp.load)",
+        torchtitan_dcp,
+    ),
+    Entry(
+        "transformers_cpu_comm_group",
+        f"{T} generation/continuous_batching/distributed.py, "
+        "continuous_api.py (gloo group, monitored_barrier)",
+        transformers_cpu_comm_group,
+    ),
+    Entry(
+        "monitored_barrier_default_group",
+        "torch dist.monitored_barrier on the default group (no framework above calls it there)",
+        monitored_barrier_default_group,
+    ),
 ]
 # dist.monitored_barrier checks the backend's name: "gloo" only. On "odc" and on "nccl" it raises
 # the same ValueError.
@@ -587,8 +699,9 @@ _RUN = {}  # the run's shared temporary directory (checkpoints, the reference gr
 def _run_all(rank, world, device):
     results = {}
     for entry in TABLE:
-        results[entry.name] = _outcome(lambda g, r, w, d, fn=entry.fn: fn(r, w, d), None, rank,
-                                       world, device)
+        results[entry.name] = _outcome(
+            lambda g, r, w, d, fn=entry.fn: fn(r, w, d), None, rank, world, device
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
     return results
@@ -597,8 +710,11 @@ def _run_all(rank, world, device):
 def run_table(rank, world, device_kind, ref_backend, tmp):
     """On the odc default group run_ranks made, then on a fresh ref_backend default group in the
     same processes; returns {entry name: (difference or None, odc outcome kind)}."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else (
-        torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_kind == "cuda"
+        else (torch.device("cpu"))
+    )
     _RUN["tmp"] = tmp
     odc = _run_all(rank, world, device)
     timeout = datetime.timedelta(seconds=60)

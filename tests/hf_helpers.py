@@ -8,8 +8,12 @@ import os
 
 import torch
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 # A one-process reference on a machine with several GPUs sees one: the Trainer wraps a model in
 # nn.DataParallel when one process sees several (and TRL's trainers refuse that).
@@ -36,9 +40,15 @@ def environ(env: dict | None):
 def set_rank_env(rank: int, world: int, port: int, env: dict | None = None) -> None:
     """What torchrun would set for this rank (accelerate reads it), plus ``env`` (default
     OFFLINE)."""
-    os.environ.update(OFFLINE if env is None else env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        OFFLINE if env is None else env,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def full_params(model) -> dict:
@@ -49,15 +59,16 @@ def full_params(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     model = getattr(model, "module", model)
-    local = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
-             for n, p in model.named_parameters()}
+    local = {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        for n, p in model.named_parameters()
+    }
     sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
     if not sharded:
         return local
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, {n: local[n] for n in sharded})
-    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t
-            for n, t in local.items()}
+    return {n: torch.cat([s[n] for s in shards]) if n in sharded else t for n, t in local.items()}
 
 
 def progressions(seed: str, count: int, vocab: int) -> list[list[int]]:
@@ -82,16 +93,18 @@ def fixed_or_lb_mini(fixed_plans: dict, lengths, world: int, step: int, cap: int
     return balance.plan(lengths, world, cap, mode="mini").microbatches
 
 
-def assert_params_match(want: dict, out: dict, initial: dict, rank: int, atol: float,
-                        trainable=None) -> None:
+def assert_params_match(
+    want: dict, out: dict, initial: dict, rank: int, atol: float, trainable=None
+) -> None:
     """Every parameter of `out` within `atol` of the reference's (`want`); those outside
     `trainable` (when given) not moved from `initial`; and training moved the parameters by
     far more than `atol` (else the comparison would be weak)."""
     moved = 0.0
     for name, ref in want["params"].items():
         got = out["params"][name]
-        torch.testing.assert_close(got, ref, rtol=0, atol=atol,
-                                   msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        torch.testing.assert_close(
+            got, ref, rtol=0, atol=atol, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+        )
         if trainable is None or name in trainable:
             moved = max(moved, (ref - initial[name].detach()).abs().max().item())
         else:

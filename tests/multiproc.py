@@ -19,8 +19,9 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, backend, store_path, fn, args, results, device_per_rank, env,
-            pg_timeout):
+def _worker(
+    rank, world_size, backend, store_path, fn, args, results, device_per_rank, env, pg_timeout
+):
     os.environ.update(env)
     # A rank that crashes (SIGSEGV, SIGABRT) prints its Python stack to stderr, which pytest
     # shows with the failure ("ranks [r] exited with codes [-11] without a result").
@@ -56,8 +57,17 @@ def _worker(rank, world_size, backend, store_path, fn, args, results, device_per
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, env=None,
-              pg_timeout=60.0, may_die=()):
+def run_ranks(
+    world_size,
+    fn,
+    *args,
+    backend="odc",
+    timeout=180.0,
+    cuda=False,
+    env=None,
+    pg_timeout=60.0,
+    may_die=(),
+):
     """Runs fn on world_size ranks of a fresh process group; returns [result of rank r].
 
     pg_timeout is the process group's timeout (what every ODC wait honours). Ranks in may_die
@@ -69,13 +79,18 @@ def run_ranks(world_size, fn, *args, backend="odc", timeout=180.0, cuda=False, e
     anything) runs once more in fresh processes; every other failure fails the test."""
     for attempt in (1, 2):
         try:
-            return _run_ranks_once(world_size, fn, args, backend, timeout, cuda, env,
-                                   pg_timeout, may_die)
+            return _run_ranks_once(
+                world_size, fn, args, backend, timeout, cuda, env, pg_timeout, may_die
+            )
         except AssertionError as err:
             if attempt == 2 or _GLOO_MESH_FAILURE not in str(err):
                 raise
-            print(f"run_ranks: Gloo's mesh setup failed ({_GLOO_MESH_FAILURE}); running "
-                  f"{getattr(fn, '__name__', fn)} once more", file=sys.stderr, flush=True)
+            print(
+                f"run_ranks: Gloo's mesh setup failed ({_GLOO_MESH_FAILURE}); running "
+                f"{getattr(fn, '__name__', fn)} once more",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 _GLOO_MESH_FAILURE = "Gloo connectFullMesh failed"
@@ -109,8 +124,11 @@ def _run_ranks_once(world_size, fn, args, backend, timeout, cuda, env, pg_timeou
                 try:
                     rank, ok, value = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(procs)
-                            if r not in outcome and r not in may_die and not p.is_alive()]
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if r not in outcome and r not in may_die and not p.is_alive()
+                    ]
                     # A rank that died without reporting (segfault, os._exit) cannot answer.
                     if dead and results.empty():
                         failures.append(
@@ -123,7 +141,9 @@ def _run_ranks_once(world_size, fn, args, backend, timeout, cuda, env, pg_timeou
                 if not ok:
                     failures.append(f"rank {rank} failed:\n{value}")
                     # Peers of a failed rank may hang in a collective: give them a moment only.
-                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+                    deadline = min(
+                        deadline, datetime.datetime.now() + datetime.timedelta(seconds=15)
+                    )
         finally:
             for p in procs:
                 p.join(timeout=5)

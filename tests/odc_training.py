@@ -69,8 +69,11 @@ def sharded_model(world, device="cpu", root_without_params=False, **fsdp_kwargs)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else (
-        torch.device("cpu"))
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device == "cuda"
+        else (torch.device("cpu"))
+    )
     model = make_model(root_without_params).to(dev)
     kwargs = {"mesh": init_device_mesh(device, (world,)), **fsdp_kwargs}
     decoder = model.inner if root_without_params else model
@@ -81,9 +84,21 @@ def sharded_model(world, device="cpu", root_without_params=False, **fsdp_kwargs)
     return fully_shard(model, **kwargs)
 
 
-def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward, lr,
-              sleep_in=None, device="cpu", attach=True, local_shards=False, reassign_after=None,
-              free_memory=False):
+def train_odc(
+    rank,
+    world,
+    plan,
+    root_without_params,
+    mp,
+    reshard_after_forward,
+    lr,
+    sleep_in=None,
+    device="cpu",
+    attach=True,
+    local_shards=False,
+    reassign_after=None,
+    free_memory=False,
+):
     """FSDP2 + torch_odc.attach; rank r runs plan[mb][r] microbatches in minibatch mb.
 
     With attach=False this is plain FSDP2 over the group's backend (every rank must then run
@@ -126,8 +141,10 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
         opt.zero_grad()
         if free_memory:
             torch_odc.free_gradient_memory()
-            freed.append(torch_odc.stats()[0]["memory"]["accumulator_bytes"] == 0
-                         and not accumulator_segments_mapped())
+            freed.append(
+                torch_odc.stats()[0]["memory"]["accumulator_bytes"] == 0
+                and not accumulator_segments_mapped()
+            )
             with torch.no_grad():
                 model(samples(mb, 1)[0][:, :-1].to(dev))
             if mb % 2 == 0:
@@ -145,8 +162,11 @@ def train_odc(rank, world, plan, root_without_params, mp, reshard_after_forward,
     if attach and reassign_after is not None:
         stats["fast_push"] = [k.fast_push for k in handle._keys if any(k.grad_numels)]
         stats["fast_params_current"] = all(
-            p is fp.sharded_param for k in handle._keys if k.fast_push
-            for p, fp in zip(k._fast_params, k._all_fps, strict=True))
+            p is fp.sharded_param
+            for k in handle._keys
+            if k.fast_push
+            for p, fp in zip(k._fast_params, k._all_fps, strict=True)
+        )
     if free_memory:
         stats["freed"] = freed
     if attach:
@@ -160,8 +180,11 @@ def accumulator_segments_mapped() -> list[str]:
     import re
 
     with open("/proc/self/maps") as f:
-        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                for line in f if re.search(r"/odc-[0-9]+-[0-9]+-r[0-9]+-a[0-9]+", line)]
+        return [
+            line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+            for line in f
+            if re.search(r"/odc-[0-9]+-[0-9]+-r[0-9]+-a[0-9]+", line)
+        ]
 
 
 def slow_peer_first_microbatch(rank, world, eager, device="cpu"):
@@ -181,8 +204,9 @@ def slow_peer_first_microbatch(rank, world, eager, device="cpu"):
     for mb in range(2):
         hook = None
         if rank == 1 and mb == 1:  # before FSDP2's own pre-forward, which all-gathers the layer
-            hook = model.layers[-1].register_forward_pre_hook(lambda *_: time.sleep(2.0),
-                                                              prepend=True)
+            hook = model.layers[-1].register_forward_pre_hook(
+                lambda *_: time.sleep(2.0), prepend=True
+            )
         seqs = samples(mb, world)
         tokens = sum(s.shape[1] - 1 for s in seqs)
         if cuda:

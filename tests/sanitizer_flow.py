@@ -6,6 +6,7 @@ and prints what it read. Two ranks may share one GPU (CUDA IPC within a device).
     compute-sanitizer --tool memcheck --target-processes all \
         torchrun --nproc-per-node=2 tests/sanitizer_flow.py
 """
+
 import faulthandler
 import os
 

@@ -23,8 +23,25 @@ def main() -> None:
         # Local shards, joined here: no all-gather, so no NCCL in the ranks at all.
         # bf16: the gradient memory is freed after every step and comes back (new IPC
         # allocations, opened and closed by the peer).
-        odc = join_shards(run_ranks(2, train_odc, PLAN, False, mp, True, 0.1, None, "cuda", True,
-                                    True, None, mp is not None, backend="odc", cuda=True))
+        odc = join_shards(
+            run_ranks(
+                2,
+                train_odc,
+                PLAN,
+                False,
+                mp,
+                True,
+                0.1,
+                None,
+                "cuda",
+                True,
+                True,
+                None,
+                mp is not None,
+                backend="odc",
+                cuda=True,
+            )
+        )
         ref = reference(PLAN, False, 0.1)
         worst = max((odc[n] - ref[n].float()).abs().max().item() for n in ref)
         print(f"mp={mp}: max |odc - reference| = {worst:.2e}", flush=True)

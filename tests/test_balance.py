@@ -363,17 +363,20 @@ def test_time_cost_fit_recovers_floor_and_rates():
     it falls back to one rate; packed sequences pay their token share of the floor."""
     want = balance.TimeCost(0.17, 7.1e14, 2.5e14, 1.03e9, 19, 2048)
     lengths = [509, 1021, 2039, 3067, 4093, 6143, 8191, 12281, 16381, 24571, 32749, 49139]
-    got = balance.TimeCost.fit([(n, want(n)) for n in lengths], num_params=1.03e9,
-                               num_layers=19, hidden_size=2048)
+    got = balance.TimeCost.fit(
+        [(n, want(n)) for n in lengths], num_params=1.03e9, num_layers=19, hidden_size=2048
+    )
     assert got.floor_s == pytest.approx(0.17, rel=1e-6)
     assert got.dense_flops_per_s == pytest.approx(7.1e14, rel=1e-6)
     assert got.attention_flops_per_s == pytest.approx(2.5e14, rel=1e-6)
-    one = balance.TimeCost.fit([(n, 1e-9 * n) for n in (10, 20)], num_params=1.0,
-                               num_layers=1, hidden_size=1)
+    one = balance.TimeCost.fit(
+        [(n, 1e-9 * n) for n in (10, 20)], num_params=1.0, num_layers=1, hidden_size=1
+    )
     assert one.dense_flops_per_s == one.attention_flops_per_s
-    assert one(15) == pytest.approx(balance.flops_cost(15, num_params=1.0, num_layers=1,
-                                                       hidden_size=1) / one.dense_flops_per_s
-                                    + one.floor_s)
+    assert one(15) == pytest.approx(
+        balance.flops_cost(15, num_params=1.0, num_layers=1, hidden_size=1) / one.dense_flops_per_s
+        + one.floor_s
+    )
     packed = balance.TimeCost(0.2, 1e14, 1e14, 1e9, 1, 1, max_tokens_per_microbatch=1000)
     assert packed(250) - balance.TimeCost(0.0, 1e14, 1e14, 1e9, 1, 1)(250) == pytest.approx(0.05)
 
@@ -405,8 +408,15 @@ def test_time_cost_floor_changes_the_plan():
     ],
 )
 def test_time_cost_validates(kwargs, error):
-    args = {"floor_s": 0.1, "dense_flops_per_s": 1e14, "attention_flops_per_s": 1e14,
-            "num_params": 1e9, "num_layers": 1, "hidden_size": 1, **kwargs}
+    args = {
+        "floor_s": 0.1,
+        "dense_flops_per_s": 1e14,
+        "attention_flops_per_s": 1e14,
+        "num_params": 1e9,
+        "num_layers": 1,
+        "hidden_size": 1,
+        **kwargs,
+    }
     with pytest.raises(error):
         balance.TimeCost(**args)
     with pytest.raises(ValueError):

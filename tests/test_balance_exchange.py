@@ -20,7 +20,7 @@ def _rows(rank: int, n: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     base = rank * 1000 + torch.arange(n, dtype=torch.int64)
     return {
-        "ids": (2 ** 40 + base[:, None] * 16 + torch.arange(6)),
+        "ids": (2**40 + base[:, None] * 16 + torch.arange(6)),
         "value": base.double() / 3,
         "half": torch.randn(n, 4, generator=g).bfloat16(),
         "mask": torch.rand(n, 3, generator=g) > 0.5,
@@ -41,15 +41,18 @@ def _dense(rank, world, keep):
 
 def _objects(rank, world):
     rows = [("row", rank, i) for i in range(COUNTS[rank])]
-    out = balance.exchange_rows(rows, _plan(world), COUNTS,
-                                take=lambda rs, idx: [rs[i] for i in idx],
-                                join=lambda pieces: [r for p in pieces for r in p])
+    out = balance.exchange_rows(
+        rows,
+        _plan(world),
+        COUNTS,
+        take=lambda rs, idx: [rs[i] for i in idx],
+        join=lambda pieces: [r for p in pieces for r in p],
+    )
     return out.rows, out.microbatches, out.plan
 
 
 def _expected(plan, rank):
-    every = {k: torch.cat([_rows(r, n)[k] for r, n in enumerate(COUNTS)])
-             for k in _rows(0, 1)}
+    every = {k: torch.cat([_rows(r, n)[k] for r, n in enumerate(COUNTS)]) for k in _rows(0, 1)}
     order = torch.tensor([p for micro in plan[rank] for p in micro], dtype=torch.long)
     return {k: v[order] for k, v in every.items()}
 
@@ -126,8 +129,9 @@ def _disagree(rank, world, what):
     return None
 
 
-@pytest.mark.parametrize("what,odd,named", [("plan", 2, "rank 2 planned"),
-                                            ("layout", 0, "rank 0's rows are laid out")])
+@pytest.mark.parametrize(
+    "what,odd,named", [("plan", 2, "rank 2 planned"), ("layout", 0, "rank 0's rows are laid out")]
+)
 def test_ranks_that_disagree_are_refused_naming_the_rank(what, odd, named):
     results = run_ranks(3, _disagree, what, backend="gloo", timeout=120)
     for rank, message in enumerate(results):

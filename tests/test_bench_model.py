@@ -20,8 +20,9 @@ def test_packed_microbatch_equals_its_documents(device):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Llama(*MODELS["tiny"]).to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, MODELS["tiny"][5], (n,), generator=gen).to(device)
-            for n in (17, 5, 33, 2)]
+    seqs = [
+        torch.randint(0, MODELS["tiny"][5], (n,), generator=gen).to(device) for n in (17, 5, 33, 2)
+    ]
     packed = model(seqs)
     one_by_one = sum(model([s]) for s in seqs)
     # Different documents must not attend to each other: a packed run of a reversed order
@@ -81,12 +82,12 @@ def test_kernel_breakdown_splits_busy_blocked_and_host_gap():
     kernels = [
         k("ncclDevKernel_Barrier", -500, -100),  # before the start marker: not counted
         k("spin_kernel", 0, 10),
-        k("odcGatherKernel", 10, 110),        # comm alone: blocked 100
-        k("ampere_bf16_gemm", 110, 1110),      # compute 1000
-        k("odcPushKernel", 1000, 1300),        # overlaps compute by 110: alone 190
-        k("flash_fwd_kernel", 1500, 2000),     # compute 500; 1300..1500 is a host gap of 200
+        k("odcGatherKernel", 10, 110),  # comm alone: blocked 100
+        k("ampere_bf16_gemm", 110, 1110),  # compute 1000
+        k("odcPushKernel", 1000, 1300),  # overlaps compute by 110: alone 190
+        k("flash_fwd_kernel", 1500, 2000),  # compute 500; 1300..1500 is a host gap of 200
         k("spin_kernel", 2000, 2005),
-        k("elementwise_kernel", 2100, 2300),   # the barrier's finalize: after the window
+        k("elementwise_kernel", 2100, 2300),  # the barrier's finalize: after the window
     ]
     b = kernel_breakdown(kernels)
     assert abs(b["busy_s"] - 1500e-6) < 1e-12
@@ -109,20 +110,20 @@ def test_kernel_breakdown_with_launch_times_tells_communication_waits_from_host_
     kernels = [
         k("spin_kernel", 0, 10, 1),
         k("gemm", 10, 110, 2),
-        k("odcPushKernel", 110, 300, 3),   # alone from 110 to 300
-        k("gemm", 300, 400, 4),            # issued at 250: 110..250 host, 250..300 blocked
+        k("odcPushKernel", 110, 300, 3),  # alone from 110 to 300
+        k("gemm", 300, 400, 4),  # issued at 250: 110..250 host, 250..300 blocked
         k("odcGatherKernel", 400, 500, 5),
-        k("gemm", 600, 700, 6),            # issued at 100: 400..500 blocked, 500..600 host
+        k("gemm", 600, 700, 6),  # issued at 100: 400..500 blocked, 500..600 host
         k("ncclKernel", 700, 750, 7),
-        k("flash_fwd", 800, 900, 8),       # no launch time: 700..750 blocked, 750..800 host
-        k("spin_kernel", 1000, 1001, 9),   # 900..1000 after the last compute: host gap
+        k("flash_fwd", 800, 900, 8),  # no launch time: 700..750 blocked, 750..800 host
+        k("spin_kernel", 1000, 1001, 9),  # 900..1000 after the last compute: host gap
     ]
     launched = {2: 5.0, 4: 250.0, 6: 100.0}
     b = kernel_breakdown(kernels, launched)
     assert abs(b["busy_s"] - 400e-6) < 1e-12 and abs(b["work_span_s"] - 1000e-6) < 1e-12
-    assert abs(b["blocked_in_work_s"] - 200e-6) < 1e-12, b   # 50 + 100 + 50
-    assert abs(b["host_gap_s"] - 400e-6) < 1e-12, b          # 10 + 140 + 100 + 50 + 100
-    assert abs(b["comm_only_s"] - 340e-6) < 1e-12, b         # 190 + 100 + 50
+    assert abs(b["blocked_in_work_s"] - 200e-6) < 1e-12, b  # 50 + 100 + 50
+    assert abs(b["host_gap_s"] - 400e-6) < 1e-12, b  # 10 + 140 + 100 + 50 + 100
+    assert abs(b["comm_only_s"] - 340e-6) < 1e-12, b  # 190 + 100 + 50
     assert b["gaps_with_launch_time"] == 3 and b["gaps"] == 5, b
     b = kernel_breakdown(kernels)  # no launch times: the communication-only rule
     assert abs(b["blocked_in_work_s"] - 340e-6) < 1e-12, b
@@ -154,8 +155,9 @@ def _train_meta_built(rank, world):
 
     build.nccl_group = dist.new_group(backend="gloo")
     args = SimpleNamespace(model="tiny", mesh=None, meta_init=True)
-    tokens = torch.randint(0, MODELS["tiny"][5], (41,),
-                           generator=torch.Generator().manual_seed(7 + rank))
+    tokens = torch.randint(
+        0, MODELS["tiny"][5], (41,), generator=torch.Generator().manual_seed(7 + rank)
+    )
     out = {"tokens": tokens}
     for kind in ("nccl", "odc"):
         model, handle, _ = build(args, torch.device("cpu"), kind)
@@ -216,12 +218,29 @@ def test_memory_vs_reference_per_sharded_parameter():
     from bench_e2e import memory_vs_reference
 
     n, gib = 1_000_000, 2**30
-    ref = [{"peak_bytes": 10 * gib, "held_after_microbatches_bytes": 3 * gib + 4 * n,
-            "sharded_numel": n}] * 2
-    odc = [{"peak_bytes": 10 * gib, "held_after_microbatches_bytes": 3 * gib,
-            "sharded_numel": n, "region_bytes": 6 * n + 100}] * 2
-    got = memory_vs_reference({"configs": {"nccl-micro": {"allocator_per_rank": ref},
-                                           "odc-mini": {"allocator_per_rank": odc}}})["odc-mini"]
+    ref = [
+        {
+            "peak_bytes": 10 * gib,
+            "held_after_microbatches_bytes": 3 * gib + 4 * n,
+            "sharded_numel": n,
+        }
+    ] * 2
+    odc = [
+        {
+            "peak_bytes": 10 * gib,
+            "held_after_microbatches_bytes": 3 * gib,
+            "sharded_numel": n,
+            "region_bytes": 6 * n + 100,
+        }
+    ] * 2
+    got = memory_vs_reference(
+        {
+            "configs": {
+                "nccl-micro": {"allocator_per_rank": ref},
+                "odc-mini": {"allocator_per_rank": odc},
+            }
+        }
+    )["odc-mini"]
     assert got["peak_b_per_param"] == (6 * n + 100) / n
     assert got["held_b_per_param"] == (2 * n + 100) / n
     assert got["region_minus_fp32_grad_b_per_param"] == (2 * n + 100) / n
@@ -231,7 +250,9 @@ def test_config_labels_with_settings():
     assert config_base("odc-mini@ODC_CUDA_CTAS=32#2") == "odc-mini"
     assert config_base("nccl-micro") == "nccl-micro"
     assert config_env("odc-mini@ODC_CUDA_CTAS=32,ODC_CUDA_FUSED=0#2") == {
-        "ODC_CUDA_CTAS": "32", "ODC_CUDA_FUSED": "0"}
+        "ODC_CUDA_CTAS": "32",
+        "ODC_CUDA_FUSED": "0",
+    }
     assert config_env("odc-mini") == {}
     for bad in ("odc-mini@CTAS=32", "odc-mini@ODC_CUDA_CTAS"):
         with pytest.raises(SystemExit, match="ODC_NAME=VALUE"):

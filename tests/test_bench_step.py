@@ -13,27 +13,53 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_step import (CATEGORIES, gpu_breakdown, host_odc_time, innermost, make_result, plot,
-                        table)
+from bench_step import CATEGORIES, gpu_breakdown, host_odc_time, innermost, make_result, plot, table
 
 import torch_odc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU, GPU = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-TINY = ["--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "176",
-        "--vocab", "512", "--seq", "64", "--microbatches", "2", "--warmup", "0",
-        "--minibatches", "2", "--copy-iters", "2"]
+TINY = [
+    "--layers",
+    "2",
+    "--dim",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--ffn",
+    "176",
+    "--vocab",
+    "512",
+    "--seq",
+    "64",
+    "--microbatches",
+    "2",
+    "--warmup",
+    "0",
+    "--minibatches",
+    "2",
+    "--copy-iters",
+    "2",
+]
 
 
 def ev(name, start, end, device=CPU, id=0, thread=1, annotation=False):
-    return SimpleNamespace(name=name, id=id, thread=thread, device_type=device,
-                           is_user_annotation=annotation,
-                           time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(
+        name=name,
+        id=id,
+        thread=thread,
+        device_type=device,
+        is_user_annotation=annotation,
+        time_range=SimpleNamespace(start=start, end=end),
+    )
 
 
 def test_innermost_range_of_nested_ranges():
-    times, names = innermost([(0, 100, "a"), (10, 20, "b"), (12, 15, "c"), (20, 30, "d"),
-                              (200, 210, "e")])
+    times, names = innermost(
+        [(0, 100, "a"), (10, 20, "b"), (12, 15, "c"), (20, 30, "d"), (200, 210, "e")]
+    )
 
     def at(t):
         import bisect
@@ -42,7 +68,18 @@ def test_innermost_range_of_nested_ranges():
         return names[i] if i >= 0 else None
 
     assert [at(t) for t in (-1, 5, 11, 13, 16, 20, 25, 50, 150, 205, 300)] == [
-        None, "a", "b", "c", "b", "d", "d", "a", None, "e", None]
+        None,
+        "a",
+        "b",
+        "c",
+        "b",
+        "d",
+        "d",
+        "a",
+        None,
+        "e",
+        None,
+    ]
 
 
 def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
@@ -59,17 +96,17 @@ def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
         ev("odc::push layers.0", 40, 60, thread=2),
         ev("Optimizer.step#AdamW.step", 300, 400),
         # launches (CUDA runtime calls) with their correlation ids
-        ev("cudaLaunchKernel", 10, 11, id=1),   # copy-in, in FSDP::all_gather only
-        ev("cudaLaunchKernel", 60, 61, id=2),   # the wait, in odc::gather
-        ev("cudaLaunchKernel", 62, 63, id=3),   # the gather copy
+        ev("cudaLaunchKernel", 10, 11, id=1),  # copy-in, in FSDP::all_gather only
+        ev("cudaLaunchKernel", 60, 61, id=2),  # the wait, in odc::gather
+        ev("cudaLaunchKernel", 62, 63, id=3),  # the gather copy
         ev("cudaLaunchKernel", 105, 106, id=4),  # copy-out
-        ev("cudaMemcpyAsync", 140, 141, id=5),   # publish's copy into the cache
+        ev("cudaMemcpyAsync", 140, 141, id=5),  # publish's copy into the cache
         ev("cudaLaunchKernel", 142, 143, id=6),  # publish flag
-        ev("cudaLaunchKernel", 5, 6, id=7, thread=2),    # reduce copy-in (chunk_cat)
+        ev("cudaLaunchKernel", 5, 6, id=7, thread=2),  # reduce copy-in (chunk_cat)
         ev("cudaLaunchKernel", 45, 46, id=8, thread=2),  # the push
         ev("cudaLaunchKernel", 50, 51, id=9, thread=2),  # output.zero_() inside odc::push
-        ev("cudaLaunchKernel", 310, 311, id=10),         # AdamW
-        ev("cudaLaunchKernel", 500, 501, id=11),         # a GEMM, in no range
+        ev("cudaLaunchKernel", 310, 311, id=10),  # AdamW
+        ev("cudaLaunchKernel", 500, 501, id=11),  # a GEMM, in no range
         ev("cudaLaunchKernel", 55, 56, id=12, thread=3),  # other thread: its range does not count
         # device activities (us)
         ev("void at::native::CatArrayBatchedCopy<...>", 1000, 1010, GPU, id=1),
@@ -91,9 +128,19 @@ def test_gpu_time_by_category_follows_kernel_names_then_launch_ranges():
         ev("Stream Sync", 1000, 1900, GPU),
     ]
     b = gpu_breakdown(events)
-    want = {"fsdp2_copy_in": 10, "odc_wait": 50, "odc_gather": 20, "fsdp2_copy_out": 3,
-            "odc_other": 4 + 1, "odc_publish": 1, "fsdp2_reduce": 7, "odc_push": 30,
-            "optimizer": 40, "compute": 400, "nccl": 10}
+    want = {
+        "fsdp2_copy_in": 10,
+        "odc_wait": 50,
+        "odc_gather": 20,
+        "fsdp2_copy_out": 3,
+        "odc_other": 4 + 1,
+        "odc_publish": 1,
+        "fsdp2_reduce": 7,
+        "odc_push": 30,
+        "optimizer": 40,
+        "compute": 400,
+        "nccl": 10,
+    }
     assert set(b["by_category_us"]) == set(CATEGORIES)
     assert {k: v for k, v in b["by_category_us"].items() if v} == want
     assert b["total_us"] == sum(want.values()) == 576
@@ -135,9 +182,11 @@ def test_breakdowns_read_real_profiler_events():
     """The same functions on torch.profiler's own events (CPU here: no device work)."""
     x = torch.ones(64, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function("odc::push layers.0"):
-            with torch.profiler.record_function("odc::gather layers.0"):
-                x = x @ x
+        with (
+            torch.profiler.record_function("odc::push layers.0"),
+            torch.profiler.record_function("odc::gather layers.0"),
+        ):
+            x = x @ x
         x = x + 1
     events = prof.events()
     b = gpu_breakdown(events)
@@ -154,24 +203,58 @@ def test_report_of_gpu_profiles(tmp_path):
 
     def rank(walls, gather_us, compute_us):
         def prof(odc):
-            comm = [ev("cudaLaunchKernel", 1, 2, id=1),
-                    ev("odcGatherKernel" if odc else "ncclDevKernel_AllGather", 10,
-                       10 + gather_us, GPU, id=1)]
-            return comm + [ev("odc::gather l0" if odc else "FSDP::all_gather (l0)", 0, 3000),
-                           ev("gemm", 100, 100 + compute_us, GPU, id=2)]
+            comm = [
+                ev("cudaLaunchKernel", 1, 2, id=1),
+                ev(
+                    "odcGatherKernel" if odc else "ncclDevKernel_AllGather",
+                    10,
+                    10 + gather_us,
+                    GPU,
+                    id=1,
+                ),
+            ]
+            return comm + [
+                ev("odc::gather l0" if odc else "FSDP::all_gather (l0)", 0, 3000),
+                ev("gemm", 100, 100 + compute_us, GPU, id=2),
+            ]
 
-        rows = [{"wall_s": w, "micro_s": w * 0.8, "barrier_s": w * 0.1, "step_s": w * 0.1}
-                for w in walls]
-        moved = {"bytes_fetched": 3 * 2**20, "keyed_gathers": 4, "bytes_pushed": 2**20,
-                 "keyed_reduce_scatters": 2}
-        ref = {w: {"bytes": moved[b], "calls": moved[c], "piece_bytes": 1, "one_copy_s": 1e-3,
-                   "per_call_s": 2e-3}
-               for w, b, c in (("gathered", "bytes_fetched", "keyed_gathers"),
-                               ("pushed", "bytes_pushed", "keyed_reduce_scatters"))}
-        return {cfg: {"rows": rows, "n_params": 7, "moved": moved, "allocator_peak_bytes": 1,
-                      "profiled": {"row": rows[0], "gpu": gpu_breakdown(prof(cfg == "odc")),
-                                   "host_odc": host_odc_time(prof(cfg == "odc"))}}
-                for cfg in ("odc", "nccl")} | {"reference": ref}
+        rows = [
+            {"wall_s": w, "micro_s": w * 0.8, "barrier_s": w * 0.1, "step_s": w * 0.1}
+            for w in walls
+        ]
+        moved = {
+            "bytes_fetched": 3 * 2**20,
+            "keyed_gathers": 4,
+            "bytes_pushed": 2**20,
+            "keyed_reduce_scatters": 2,
+        }
+        ref = {
+            w: {
+                "bytes": moved[b],
+                "calls": moved[c],
+                "piece_bytes": 1,
+                "one_copy_s": 1e-3,
+                "per_call_s": 2e-3,
+            }
+            for w, b, c in (
+                ("gathered", "bytes_fetched", "keyed_gathers"),
+                ("pushed", "bytes_pushed", "keyed_reduce_scatters"),
+            )
+        }
+        return {
+            cfg: {
+                "rows": rows,
+                "n_params": 7,
+                "moved": moved,
+                "allocator_peak_bytes": 1,
+                "profiled": {
+                    "row": rows[0],
+                    "gpu": gpu_breakdown(prof(cfg == "odc")),
+                    "host_odc": host_odc_time(prof(cfg == "odc")),
+                },
+            }
+            for cfg in ("odc", "nccl")
+        } | {"reference": ref}
 
     per_rank = [rank([0.3, 0.5, 0.4], 100, 900), rank([0.35, 0.2, 0.45], 300, 700)]
     r = make_result(per_rank, ["odc", "nccl"], "synthetic", "cuda", False, {})
@@ -189,14 +272,32 @@ def test_report_of_gpu_profiles(tmp_path):
 
 
 def torchrun(args, out, limit_s=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           "--nproc-per-node=2", os.path.join(ROOT, "benchmarks", "bench_step.py"),
-           "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "benchmarks", "bench_step.py"),
+        "--out",
+        str(out),
+        *args,
+    ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(torch_odc.__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
@@ -226,15 +327,19 @@ def test_bench_step_runs_and_reports(device, tmp_path):
     assert env["torch"] == torch.__version__ and "bench_step.py" in env["command"]
     assert len(env["git_commit"]) == 40 or env["git_commit"] == "unavailable"
     baseline = {"cpu": "gloo", "cuda": "nccl"}[device]
-    assert list(r["configs"])[0] == "odc"
+    assert next(iter(r["configs"])) == "odc"
     assert (baseline in r["configs"]) == (device == "cpu" or gpus >= 2)
     odc = r["configs"]["odc"]
     n = odc["n_params"]
     # per layer: wq, wkv (2 x 2 kv heads x 16 wide), wo: 64 x 64 each; w13 + w2; 2 norms.
     # Then embedding, norm, head.
     assert n == 2 * (3 * 64 * 64 + 3 * 64 * 176 + 2 * 64) + 64 + 2 * 512 * 64
-    for moved, ref, host in zip(r["moved_per_rank"], r["reference_per_rank"],
-                                odc["host_odc_by_kind_ms_per_rank"], strict=True):
+    for moved, ref, host in zip(
+        r["moved_per_rank"],
+        r["reference_per_rank"],
+        odc["host_odc_by_kind_ms_per_rank"],
+        strict=True,
+    ):
         # 2 microbatches, fp32 shard (n / 2 elements, dims are even: no padding), 1 peer
         assert moved["bytes_pushed"] == 2 * (n // 2) * 4, moved
         assert moved["keyed_reduce_scatters"] == 2 * 3, moved  # 2 layers + root per microbatch
@@ -260,21 +365,30 @@ def test_bench_step_runs_and_reports(device, tmp_path):
     # entry point's clock, which wraps it in every minibatch (so in the medians too)
     for kinds in odc["host_odc_unprofiled_by_kind_ms_per_rank"]:
         assert kinds["gather"] > 0 and kinds["push"] > 0 and kinds["barrier"] >= 0, kinds
-    for cpp, kinds in zip(odc["host_odc_cpp_ms_per_rank"],
-                          odc["host_odc_unprofiled_by_kind_ms_per_rank"]):
+    for cpp, kinds in zip(
+        odc["host_odc_cpp_ms_per_rank"], odc["host_odc_unprofiled_by_kind_ms_per_rank"]
+    ):
         for kind, outer in (("gather", "gather"), ("push", "push")):
             assert 0 < cpp[kind] <= kinds[outer] * 1.001, (cpp, kinds)
     for cfg, s in r["configs"].items():
         assert len(s["minibatch_s"]) == 2 and 0 < s["minibatch_s_median"] < 60, (cfg, s)
         assert 0 < s["micro_s_median"] < s["minibatch_s_median"] * 1.01, (cfg, s)
-    assert all(0 < h <= odc["profiled_minibatch_wall_s"] * 1e3
-               for h in odc["host_odc_ms_per_rank"]), odc
+    assert all(
+        0 < h <= odc["profiled_minibatch_wall_s"] * 1e3 for h in odc["host_odc_ms_per_rank"]
+    ), odc
     if device == "cpu":
         assert "gpu_ms_mean" not in odc
         return
     for rank, g in enumerate(odc["gpu_ms_per_rank"]):
-        for cat in ("odc_gather", "odc_wait", "odc_push", "odc_publish", "compute",
-                    "fsdp2_copy_in", "optimizer"):
+        for cat in (
+            "odc_gather",
+            "odc_wait",
+            "odc_push",
+            "odc_publish",
+            "compute",
+            "fsdp2_copy_in",
+            "optimizer",
+        ):
             assert g[cat] > 0, (rank, cat, g)
         assert g["nccl"] == 0, g
         assert abs(sum(g[c] for c in CATEGORIES) - g["total"]) < 1e-6 * g["total"]

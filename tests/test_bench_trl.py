@@ -20,9 +20,27 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
     summary = tmp_path / "trainers.json"
     env = {**os.environ, "ODC_VERL_PYTHON": python, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "verl", "--cpu",
-         "--nproc", "2", "--out", str(tmp_path), "--summary", str(summary), "--kind", "cpu"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_trl.py"),
+            "verl",
+            "--cpu",
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--summary",
+            str(summary),
+            "--kind",
+            "cpu",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(summary.read_text())["rows"]
     assert row["trainer"] == "verl" and row["gpus"] == 2
@@ -35,8 +53,7 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
     assert plain["meta"]["strategy"] == "fsdp2"
     for o, p in zip(odc["steps"], plain["steps"], strict=True):
         # the same rollouts, and every token run exactly once under either engine
-        assert o["tokens"] == p["tokens"] == sum(o["padded_per_rank"]) == sum(
-            p["padded_per_rank"])
+        assert o["tokens"] == p["tokens"] == sum(o["padded_per_rank"]) == sum(p["padded_per_rank"])
         assert o["plain_padded_per_rank"] == p["plain_padded_per_rank"]
         # verl runs equal microbatch counts; ODC's may differ by rank
         assert len(set(p["microbatches"])) == 1
@@ -52,11 +69,31 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
     pytest.importorskip("trl")
     summary = tmp_path / "trainers.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), "sft", "--cpu",
-         "--nproc", "2", "--repeats", "2", "--variants", "odc,plain", "--out", str(tmp_path),
-         "--summary", str(summary), "--kind", "cpu"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
-        timeout=600, check=False)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_trl.py"),
+            "sft",
+            "--cpu",
+            "--nproc",
+            "2",
+            "--repeats",
+            "2",
+            "--variants",
+            "odc,plain",
+            "--out",
+            str(tmp_path),
+            "--summary",
+            str(summary),
+            "--kind",
+            "cpu",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(summary.read_text())["rows"]
     assert row["trainer"] == "sft" and row["speedup"] > 0 and row["bound"] > 0, row
@@ -66,15 +103,19 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
     assert [r["order"] for r in record["rounds"]] == [["odc", "plain"], ["plain", "odc"]]
     steps = len(record["runs"]["odc"]["steps"])
     warmup = record["warmup_steps"]
+
     # The pooled rate, recomputed from the runs: tokens over seconds of both rounds' steps.
     def pooled(variant):
-        measured = [s for name in (variant, f"{variant}@2")
-                    for s in record["runs"][name]["steps"][warmup:]]
+        measured = [
+            s for name in (variant, f"{variant}@2") for s in record["runs"][name]["steps"][warmup:]
+        ]
         assert record["summary"][variant]["steps"] == len(measured) == 2 * (steps - warmup)
         return sum(s["tokens"] for s in measured) / sum(s["seconds"] for s in measured) / 2
+
     assert row["speedup"] == pytest.approx(pooled("odc") / pooled("plain"))
     assert row["repeats"] == 2 and row["speedup_of_each_round"] == [
-        r["speedup"] for r in record["rounds"]]
+        r["speedup"] for r in record["rounds"]
+    ]
     # Every run's step lines, as the examples printed them, are in the log.
     log = (tmp_path / "bench_trl_sft_2cpu.log").read_text().splitlines()
     assert sum(line.startswith("step ") for line in log) == 4 * steps, log[-20:]
@@ -85,7 +126,8 @@ def test_the_sft_benchmark_streams_its_log_and_reports_a_trainers_row(tmp_path):
         assert all(s["jit_seconds"] == 0.0 for s in run["steps"])
     for variant in ("odc", "plain"):
         assert record["summary"][variant]["steady_tokens_per_s_per_gpu"] == pytest.approx(
-            record["summary"][variant]["tokens_per_s_per_gpu"])
+            record["summary"][variant]["tokens_per_s_per_gpu"]
+        )
     for s in record["runs"]["odc"]["steps"] + record["runs"]["odc@2"]["steps"]:
         assert [len(h["microbatches"]) for h in s["host_seconds"]] == s["microbatches"], s
 
@@ -102,11 +144,20 @@ def test_the_fixed_cost_bound_recovers_a_known_line():
 
     odc_pad = [[9000, 8800], [12000, 12100], [6000, 5900], [15000, 14000]]
     plain_pad = [[4000, 17000], [9000, 20000], [12000, 3000], [30000, 1000]]
-    odc = [{"step": i, "padded_per_rank": o, "plain_padded_per_rank": p,
-            "seconds": 2.0 + secs(max(o)), "rollout_seconds": 2.0}
-           for i, (o, p) in enumerate(zip(odc_pad, plain_pad))]
-    plain = [{"step": i, "seconds": 1.0 + secs(max(p)), "rollout_seconds": 1.0}
-             for i, p in enumerate(plain_pad)]
+    odc = [
+        {
+            "step": i,
+            "padded_per_rank": o,
+            "plain_padded_per_rank": p,
+            "seconds": 2.0 + secs(max(o)),
+            "rollout_seconds": 2.0,
+        }
+        for i, (o, p) in enumerate(zip(odc_pad, plain_pad))
+    ]
+    plain = [
+        {"step": i, "seconds": 1.0 + secs(max(p)), "rollout_seconds": 1.0}
+        for i, p in enumerate(plain_pad)
+    ]
     fit = fixed_cost_bound(odc, plain)
     assert fit["fixed_seconds"] == pytest.approx(0.15)
     assert fit["seconds_per_1k_padded_tokens"] == pytest.approx(0.03)
@@ -130,24 +181,54 @@ def test_pool_makes_one_row_of_separate_records(tmp_path):
     beside it stays); records of different model sizes are refused."""
 
     def step(i, tokens, seconds, rollout):
-        return {"step": i, "tokens": tokens, "seconds": seconds, "rollout_seconds": rollout,
-                "rollouts": 16, "padded_per_rank": [tokens, tokens - 100],
-                "plain_padded_per_rank": [tokens + 4000, 100]}
+        return {
+            "step": i,
+            "tokens": tokens,
+            "seconds": seconds,
+            "rollout_seconds": rollout,
+            "rollouts": 16,
+            "padded_per_rank": [tokens, tokens - 100],
+            "plain_padded_per_rank": [tokens + 4000, 100],
+        }
 
     def record(path, odc_steps, plain_steps, size="3b", peaks=(10.0, 11.0)):
         runs = {}
         for name, steps in (("odc", odc_steps), ("plain", plain_steps)):
-            runs[name] = {"meta": {"world": 2, "size": size,
-                                   "peak_memory_gib": list(peaks) if name == "odc" else [12.0]},
-                          "steps": [step(i, *s) for i, s in enumerate(steps, 1)]}
-        rate = {n: {"update_tokens_per_s_per_gpu": sum(s[0] for s in st[1:])
-                    / sum(s[1] - s[2] for s in st[1:]) / 2}
-                for n, st in (("odc", odc_steps), ("plain", plain_steps))}
-        path.write_text(json.dumps({
-            "mode": "grpo", "nproc": 2, "warmup_steps": 1, "hardware": "test", "kind": "k",
-            "versions": {}, "commit": "abcdef0123", "summary": rate, "runs": runs}))
-        return rate["odc"]["update_tokens_per_s_per_gpu"] / rate["plain"][
-            "update_tokens_per_s_per_gpu"]
+            runs[name] = {
+                "meta": {
+                    "world": 2,
+                    "size": size,
+                    "peak_memory_gib": list(peaks) if name == "odc" else [12.0],
+                },
+                "steps": [step(i, *s) for i, s in enumerate(steps, 1)],
+            }
+        rate = {
+            n: {
+                "update_tokens_per_s_per_gpu": sum(s[0] for s in st[1:])
+                / sum(s[1] - s[2] for s in st[1:])
+                / 2
+            }
+            for n, st in (("odc", odc_steps), ("plain", plain_steps))
+        }
+        path.write_text(
+            json.dumps(
+                {
+                    "mode": "grpo",
+                    "nproc": 2,
+                    "warmup_steps": 1,
+                    "hardware": "test",
+                    "kind": "k",
+                    "versions": {},
+                    "commit": "abcdef0123",
+                    "summary": rate,
+                    "runs": runs,
+                }
+            )
+        )
+        return (
+            rate["odc"]["update_tokens_per_s_per_gpu"]
+            / rate["plain"]["update_tokens_per_s_per_gpu"]
+        )
 
     a = [(9000, 9.0, 8.0), (8000, 3.0, 2.0), (12000, 3.5, 2.2), (6000, 2.6, 2.0)]
     b = [(9000, 9.5, 8.0), (8000, 3.1, 2.0), (12000, 3.4, 2.2), (6000, 2.7, 2.0)]
@@ -156,20 +237,51 @@ def test_pool_makes_one_row_of_separate_records(tmp_path):
     first = record(tmp_path / "a.json", a, pa)
     second = record(tmp_path / "b.json", b, pb, peaks=(10.5, 10.0))
     summary = tmp_path / "trainers.json"
-    summary.write_text(json.dumps({"rows": [
-        {"trainer": "grpo", "gpus": 2, "kind": "k", "speedup": 1.0, "result": "old.json"}]}))
+    summary.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {
+                        "trainer": "grpo",
+                        "gpus": 2,
+                        "kind": "k",
+                        "speedup": 1.0,
+                        "result": "old.json",
+                    }
+                ]
+            }
+        )
+    )
     bench = os.path.join(ROOT, "benchmarks", "bench_trl.py")
 
     def pool(*records, notes=()):
         return subprocess.run(
-            [sys.executable, bench, "pool", *map(str, records), "--out", str(tmp_path / "out"),
-             "--summary", str(summary), *notes], cwd=ROOT, capture_output=True, text=True,
-            timeout=120, check=False)
+            [
+                sys.executable,
+                bench,
+                "pool",
+                *map(str, records),
+                "--out",
+                str(tmp_path / "out"),
+                "--summary",
+                str(summary),
+                *notes,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
-    notes = {"--note": "two calls, one round each", "--commit-note": "tree abcdef0, day 1",
-             "--device-command": "OUT=$OUT bash benchmarks/device_trainers.sh grpo ''"}
-    proc = pool(tmp_path / "a.json", tmp_path / "b.json",
-                notes=[x for kv in notes.items() for x in kv])
+    notes = {
+        "--note": "two calls, one round each",
+        "--commit-note": "tree abcdef0, day 1",
+        "--device-command": "OUT=$OUT bash benchmarks/device_trainers.sh grpo ''",
+    }
+    proc = pool(
+        tmp_path / "a.json", tmp_path / "b.json", notes=[x for kv in notes.items() for x in kv]
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(summary.read_text())["rows"]
     assert [r.get("model", "1b") for r in rows] == ["1b", "3b"]
@@ -212,8 +324,16 @@ def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_p
     from trace_phases import phases
 
     def x(name, cat, ts, dur, **args):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
-                "args": args}
+        return {
+            "ph": "X",
+            "name": name,
+            "cat": cat,
+            "ts": ts,
+            "dur": dur,
+            "pid": 1,
+            "tid": 1,
+            "args": args,
+        }
 
     events = [
         x("trl::generate_and_score", "user_annotation", 0, 100),
@@ -238,8 +358,10 @@ def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_p
     assert whole["ranges"]["trl::generate_and_score"]["device_ms"] == 0.01
     assert whole["span_ms"] == 0.55 and whole["device_busy_ms"] == 0.1
     assert whole["instances"]["odc::grpo_microbatches"] == [
-        {"host_ms": 0.1, "device_ms": 0.07}, {"host_ms": 0.03, "device_ms": 0.07},
-        {"host_ms": 0.05, "device_ms": 0.02}]
+        {"host_ms": 0.1, "device_ms": 0.07},
+        {"host_ms": 0.03, "device_ms": 0.07},
+        {"host_ms": 0.05, "device_ms": 0.02},
+    ]
 
     inside = phases(str(path), within="odc::grpo_microbatches")
     assert inside["span_ms"] == 0.15 and inside["device_busy_ms"] == 0.09
@@ -250,10 +372,23 @@ def test_trace_phases_attributes_device_work_to_the_range_that_launched_it(tmp_p
 
 def _bench(tmp_path, *argv, timeout=600):
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_trl.py"), argv[0],
-         "--out", str(tmp_path), "--kind", "cpu", *argv[1:]],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
-        timeout=timeout, check=False)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_trl.py"),
+            argv[0],
+            "--out",
+            str(tmp_path),
+            "--kind",
+            "cpu",
+            *argv[1:],
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -267,8 +402,19 @@ def test_the_sft_baselines_reach_the_trainer(tmp_path):
     compares the faster ODC variant with the faster baseline and keeps every baseline."""
     pytest.importorskip("trl")
     summary = tmp_path / "trainers.json"
-    _bench(tmp_path, "sft", "--cpu", "--nproc", "2", "--pad-multiple", "16", "--variants",
-           "plain-tuned,odc-padfree,plain-padfree", "--summary", str(summary))
+    _bench(
+        tmp_path,
+        "sft",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--pad-multiple",
+        "16",
+        "--variants",
+        "plain-tuned,odc-padfree,plain-padfree",
+        "--summary",
+        str(summary),
+    )
     record = json.loads((tmp_path / "bench_trl_sft_2cpu.json").read_text())
     configs = record["variant_configs"]
     assert record["pad_multiple"] == 16
@@ -311,8 +457,22 @@ def test_one_rank_plans_the_data_of_two(tmp_path):
     record has the one-rank bound), and the row carries (a) of the decomposition."""
     pytest.importorskip("trl")
     summary = tmp_path / "trainers.json"
-    _bench(tmp_path, "sft", "--cpu", "--nproc", "1", "--same-data-as", "2", "--pad-multiple",
-           "16", "--summary", str(summary), "--", "--steps", "3")
+    _bench(
+        tmp_path,
+        "sft",
+        "--cpu",
+        "--nproc",
+        "1",
+        "--same-data-as",
+        "2",
+        "--pad-multiple",
+        "16",
+        "--summary",
+        str(summary),
+        "--",
+        "--steps",
+        "3",
+    )
     record = json.loads((tmp_path / "bench_trl_sft_1cpu.json").read_text())
     assert record["nproc"] == 1 and record["data_ranks"] == 2
     assert set(record["runs"]) == {"odc", "plain", "plain-tuned"}
@@ -320,15 +480,15 @@ def test_one_rank_plans_the_data_of_two(tmp_path):
         assert run["meta"]["world"] == 1 and run["meta"]["args"]["accumulation"] == 4
         assert all(s["sequences"] == 2 * 4 for s in run["steps"])
     odc = record["runs"]["odc"]["steps"]
-    assert all(len(s["microbatches"]) == 1 and len(s["plain_padded_per_rank"]) == 1
-               for s in odc)
+    assert all(len(s["microbatches"]) == 1 and len(s["plain_padded_per_rank"]) == 1 for s in odc)
     (row,) = json.loads(summary.read_text())["rows"]
     assert row["gpus"] == 1 and row["data_ranks"] == 2
     key = "tokens_per_s_per_gpu"
     plan = row["decomposition"]["plan_one_rank"]
     assert set(plan) == {"plain", "plain-tuned"}
-    assert plan["plain"] == pytest.approx(record["summary"]["odc"][key]
-                                          / record["summary"]["plain"][key])
+    assert plan["plain"] == pytest.approx(
+        record["summary"]["odc"][key] / record["summary"]["plain"][key]
+    )
     assert row["decomposition"]["bound_one_rank"] == record["summary"]["odc"]["bound"] > 0
 
 
@@ -341,9 +501,12 @@ def test_decompose_splits_the_measured_speedup():
     key = "tokens_per_s_per_gpu"
 
     def record(rates, bound, tokens=(100, 200)):
-        return {"summary": {v: {key: r, **({"bound": bound} if v == "odc" else {})}
-                            for v, r in rates.items()},
-                "runs": {v: {"steps": [{"tokens": t} for t in tokens]} for v in rates}}
+        return {
+            "summary": {
+                v: {key: r, **({"bound": bound} if v == "odc" else {})} for v, r in rates.items()
+            },
+            "runs": {v: {"steps": [{"tokens": t} for t in tokens]} for v in rates},
+        }
 
     one = record({"odc": 1.2, "plain": 1.0, "plain-tuned": 1.1}, 1.1)
     multi = record({"odc": 3.0, "plain": 2.0}, 1.5)

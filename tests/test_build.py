@@ -17,9 +17,13 @@ def test_extension_needs_the_shared_libstdcxx_and_has_no_private_copy():
     assert readelf, "readelf (binutils, which building the extension needs) is not on PATH"
     dynamic = subprocess.run([readelf, "-d", so], capture_output=True, text=True, check=True).stdout
     assert "[libstdc++.so" in dynamic, dynamic
-    symbols = subprocess.run([readelf, "-W", "--dyn-syms", so], capture_output=True, text=True,
-                             check=True).stdout
+    symbols = subprocess.run(
+        [readelf, "-W", "--dyn-syms", so], capture_output=True, text=True, check=True
+    ).stdout
     # std::cin is defined only where libstdc++ itself is linked in.
-    defined_cin = [line for line in symbols.splitlines()
-                   if line.split()[-1:] == ["_ZSt3cin"] and " UND " not in line]
+    defined_cin = [
+        line
+        for line in symbols.splitlines()
+        if line.split()[-1:] == ["_ZSt3cin"] and " UND " not in line
+    ]
     assert not defined_cin, defined_cin

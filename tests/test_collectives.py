@@ -65,8 +65,11 @@ def _abort_facts(rank, world):
     dist.all_reduce(t)
     threads = len(os.listdir("/proc/self/task"))
     dist.distributed_c10d._abort_process_group()
-    facts = {"sum": t.item(), "shutdown_after_abort": backend.is_shutdown,
-             "threads_joined": threads - len(os.listdir("/proc/self/task"))}
+    facts = {
+        "sum": t.item(),
+        "shutdown_after_abort": backend.is_shutdown,
+        "threads_joined": threads - len(os.listdir("/proc/self/task")),
+    }
     try:
         backend.allreduce([torch.ones(1)]).wait()
         facts["after_abort"] = "no error"
@@ -131,10 +134,14 @@ def _functional_all_gathers(rank, world, device):
     full = torch.arange(6.0 * world * 4, device=dev).view(6 * world // 2, 8)
     shard = DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)
     whole = shard.full_tensor()
-    inputs = [torch.full((3,), float(rank), device=dev),
-              torch.full((1, 2), 10.0 + rank, device=dev)]
-    outs = [t.wait() if hasattr(t, "wait") else t
-            for t in funcol.all_gather_into_tensor_coalesced(inputs, dist.group.WORLD)]
+    inputs = [
+        torch.full((3,), float(rank), device=dev),
+        torch.full((1, 2), 10.0 + rank, device=dev),
+    ]
+    outs = [
+        t.wait() if hasattr(t, "wait") else t
+        for t in funcol.all_gather_into_tensor_coalesced(inputs, dist.group.WORLD)
+    ]
     # accelerate's gather (TRL's reward gather): a (n, 1) input into a flat output, NCCL's rule.
     column = torch.full((4, 1), 20.0 + rank, device=dev)
     flat = torch.empty(world * 4, device=dev)
@@ -153,8 +160,9 @@ def test_functional_all_gathers_and_full_tensor(device):
         pytest.skip("needs a CUDA GPU")
     world = 2
     env = {"ODC_CUDA_COLLECTIVES": "gloo"} if device == "cuda" else None
-    for whole, full, outs in run_ranks(world, _functional_all_gathers, device, cuda=device == "cuda",
-                                       env=env):
+    for whole, full, outs in run_ranks(
+        world, _functional_all_gathers, device, cuda=device == "cuda", env=env
+    ):
         torch.testing.assert_close(whole, full, rtol=0, atol=0)
         assert outs[0].tolist() == [float(r) for r in range(world) for _ in range(3)]
         assert outs[1].shape == (world, 2)

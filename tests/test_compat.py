@@ -58,8 +58,10 @@ def test_every_hf_manifest_entry_exists_in_the_installed_package(package):
     entries = [e for e in compat.ENTRIES if e.package == package]
     assert entries, f"no entries for {package}"
     missing = compat.check(package)
-    assert not missing, (f"{package} {metadata.version(package)} lacks what the HF adapters "
-                         "use:\n" + "\n".join(m.describe() for m in missing))
+    assert not missing, (
+        f"{package} {metadata.version(package)} lacks what the HF adapters "
+        "use:\n" + "\n".join(m.describe() for m in missing)
+    )
     print(f"{package} {metadata.version(package)}: {len(entries)} entries present")
 
 
@@ -67,16 +69,18 @@ def test_every_hf_manifest_entry_exists_in_the_installed_package(package):
 def verl_run(tmp_path_factory):
     """tests/compat_verl_cases.py under verl's python: check(), an engine constructed, and the
     same with FSDPEngine._build_fsdp_module deleted."""
-    return run_under_verl("compat_verl_cases.py",
-                          tmp_path_factory.mktemp("compat") / "verl.json", timeout=600)
+    return run_under_verl(
+        "compat_verl_cases.py", tmp_path_factory.mktemp("compat") / "verl.json", timeout=600
+    )
 
 
 def test_every_verl_manifest_entry_exists_in_verls_environment(verl_run):
     assert verl_run["versions"]["verl"] == "0.9.1", verl_run["versions"]
     assert not verl_run["missing"], "\n".join(verl_run["missing"])
     assert verl_run["entries"] == verl_compat().MANIFEST.summary()
-    assert verl_run["built"] == {"ok": True, "class": "ODCFSDPEngineWithLMHead",
-                                 "active": True}, verl_run["built"]
+    assert verl_run["built"] == {"ok": True, "class": "ODCFSDPEngineWithLMHead", "active": True}, (
+        verl_run["built"]
+    )
 
 
 def test_a_deleted_verl_symbol_is_reported_and_refused_at_construction(verl_run):
@@ -134,8 +138,7 @@ def test_a_listed_attribute_missing_on_the_instance_raises_the_manifest_error():
 def test_a_pin_refuses_another_release_naming_both_versions():
     pytest.importorskip("trl")
     installed = metadata.version("trl")
-    manifest = _manifest.Manifest("test", [], [_manifest.Pin("trl", "0.0.", "a test pin",
-                                                             ("x",))])
+    manifest = _manifest.Manifest("test", [], [_manifest.Pin("trl", "0.0.", "a test pin", ("x",))])
     with pytest.raises(ValueError) as refused:
         manifest.require("x")
     assert f"trl {installed}" in str(refused.value) and "trl==0.0.*" in str(refused.value)
@@ -160,17 +163,25 @@ def _construct_after_deleting(rank, world):
     set_rank_env(rank, world, port=29563)
 
     def build():
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="odc-compat-"), fsdp=True,
-                                 fsdp_config={"version": 2}, use_cpu=True, report_to=[],
-                                 per_device_train_batch_size=2, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="odc-compat-"),
+            fsdp=True,
+            fsdp_config={"version": 2},
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=2,
+            disable_tqdm=True,
+        )
         try:
             trainer = odc_trainer(Trainer)(
-                model=build_model(False), args=args, data_collator=collate,
+                model=build_model(False),
+                args=args,
+                data_collator=collate,
                 train_dataset=[{"input_ids": [2, 3, 4]}] * 4,
-                odc=ODCConfig(max_tokens_per_microbatch=16))
+                odc=ODCConfig(max_tokens_per_microbatch=16),
+            )
         except Exception as e:  # noqa: BLE001 - returned to the test
-            return {"ok": False, "mro": [c.__name__ for c in type(e).__mro__],
-                    "message": str(e)}
+            return {"ok": False, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
         return {"ok": True, "class": type(trainer).__name__}
 
     out = {"present": build()}
@@ -216,21 +227,24 @@ def test_constructing_the_adapter_without_a_listed_symbol_is_refused_with_its_na
 
 
 ADAPTERS = {
-    "hf": ("_core.py", "_config.py", "_steps.py", "_checkpoints.py", "sft.py", "dpo.py",
-           "grpo.py"),
+    "hf": ("_core.py", "_config.py", "_steps.py", "_checkpoints.py", "sft.py", "dpo.py", "grpo.py"),
     "verl": ("_engine.py", "_cpu.py"),
 }
 OWN_MODULES = {"torch_odc", "balance", "_compat"}  # torch-odc's own modules
 
 
 def _private(name: str) -> bool:
-    return (name.startswith("_") and not name.startswith("_odc")
-            and not (name.startswith("__") and name.endswith("__")))
+    return (
+        name.startswith("_")
+        and not name.startswith("_odc")
+        and not (name.startswith("__") and name.endswith("__"))
+    )
 
 
 def _is_super_call(node) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "super")
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
 
 
 class _Scan(ast.NodeVisitor):
@@ -254,17 +268,27 @@ class _Scan(ast.NodeVisitor):
         for item in ast.walk(node):
             if isinstance(item, ast.FunctionDef):
                 own.add(item.name)
-            if (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
-                    and isinstance(item.value, ast.Name) and item.value.id == "self"):
+            if (
+                isinstance(item, ast.Attribute)
+                and isinstance(item.ctx, ast.Store)
+                and isinstance(item.value, ast.Name)
+                and item.value.id == "self"
+            ):
                 own.add(item.attr)
         odc = node.name.startswith("ODC")
         if odc:
             for item in node.body:
-                if (isinstance(item, ast.FunctionDef) and _private(item.name)
-                        and item.name not in self.overrides):
-                    self.problem(item, f"{node.name}.{item.name} overrides a private name that "
-                                       "is not a manifest override (rename it _odc_*, or list "
-                                       "it)")
+                if (
+                    isinstance(item, ast.FunctionDef)
+                    and _private(item.name)
+                    and item.name not in self.overrides
+                ):
+                    self.problem(
+                        item,
+                        f"{node.name}.{item.name} overrides a private name that "
+                        "is not a manifest override (rename it _odc_*, or list "
+                        "it)",
+                    )
         self.own.append(set() if odc else own)
         self.in_odc.append(odc)
         self.generic_visit(node)
@@ -277,36 +301,52 @@ class _Scan(ast.NodeVisitor):
             own_module = isinstance(base, ast.Name) and base.id in OWN_MODULES
             own_attr = name in self.own[-1]
             override = name in self.overrides and (
-                _is_super_call(base) or (isinstance(base, ast.Name) and base.id == "self"))
+                _is_super_call(base) or (isinstance(base, ast.Name) and base.id == "self")
+            )
             if not (own_module or own_attr or override):
-                self.problem(node, f"{ast.unparse(node)}: a private name reached directly "
-                                   "(list it in _compat and use _compat.read/write/call)")
+                self.problem(
+                    node,
+                    f"{ast.unparse(node)}: a private name reached directly "
+                    "(list it in _compat and use _compat.read/write/call)",
+                )
         self.generic_visit(node)
 
     def visit_Call(self, node):
         func = node.func
-        if (isinstance(func, ast.Name) and func.id in ("getattr", "hasattr", "setattr",
-                                                         "delattr")
-                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+        if (
+            isinstance(func, ast.Name)
+            and func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
             self.problem(node, f"{ast.unparse(node)}: a private name reached directly")
-        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                and func.value.id == "_compat"):
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "_compat"
+        ):
             consts = [a.value for a in node.args if isinstance(a, ast.Constant)]
             if func.attr == "load" and len(consts) == 2:
                 if tuple(consts) not in self.entries:
                     self.problem(node, f"_compat.load{tuple(consts)}: not in the manifest")
-            elif (func.attr in ("read", "write", "call") and consts
-                  and not any(name == consts[0] for _, name in self.entries)):
-                self.problem(node, f"_compat.{func.attr}(..., {consts[0]!r}): not in the "
-                                   "manifest")
+            elif (
+                func.attr in ("read", "write", "call")
+                and consts
+                and not any(name == consts[0] for _, name in self.entries)
+            ):
+                self.problem(node, f"_compat.{func.attr}(..., {consts[0]!r}): not in the manifest")
         self.generic_visit(node)
 
     def visit_ImportFrom(self, node):
         module = node.module or ""
         if node.level == 0 and module.split(".")[0] in FRAMEWORKS and "." in module:
-            self.problem(node, f"from {module} import ...: an inner module of "
-                               f"{module.split('.')[0]} imported directly (use _compat.load)")
+            self.problem(
+                node,
+                f"from {module} import ...: an inner module of "
+                f"{module.split('.')[0]} imported directly (use _compat.load)",
+            )
         self.generic_visit(node)
 
     def visit_Import(self, node):
@@ -346,7 +386,8 @@ def test_the_scan_finds_a_direct_private_read():
         "    def __init__(self):\n"
         "        self._own = 1\n"
         "    def get(self):\n"
-        "        return self._own\n")
+        "        return self._own\n"
+    )
     scan = _Scan(os.path.join(ROOT, "example.py"), {"_save_checkpoint"}, set())
     scan.visit(ast.parse(source))
     found = "\n".join(scan.problems)
@@ -368,8 +409,7 @@ def test_manifest_entries_are_well_formed():
         assert users, compat
     hf = hf_compat()
     assert {u for e in hf.ENTRIES for u in e.users} == {"trainer", "sft", "dpo", "grpo"}
-    assert {u for e in verl_compat().ENTRIES for u in e.users} == {"engine", "config",
-                                                                   "platform"}
+    assert {u for e in verl_compat().ENTRIES for u in e.users} == {"engine", "config", "platform"}
 
 
 if __name__ == "__main__":

@@ -55,8 +55,9 @@ def _is_shell(path: Path) -> bool:
 
 
 def _is_environ(node: ast.AST) -> bool:
-    return ((isinstance(node, ast.Attribute) and node.attr == "environ")
-            or (isinstance(node, ast.Name) and node.id == "environ"))
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
 
 
 def _python_reads(source: str, filename: str) -> set[str]:
@@ -66,8 +67,11 @@ def _python_reads(source: str, filename: str) -> set[str]:
     tree = ast.parse(source, filename)
     constants = {}
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     constants[target.id] = node.value.value
@@ -84,10 +88,14 @@ def _python_reads(source: str, filename: str) -> set[str]:
         keys = []
         if isinstance(node, ast.Call) and node.args:
             f = node.func
-            from_environ = (isinstance(f, ast.Attribute) and _is_environ(f.value)
-                            and f.attr in ("get", "setdefault", "pop"))
-            getenv = ((isinstance(f, ast.Attribute) and f.attr == "getenv")
-                      or (isinstance(f, ast.Name) and f.id == "getenv"))
+            from_environ = (
+                isinstance(f, ast.Attribute)
+                and _is_environ(f.value)
+                and f.attr in ("get", "setdefault", "pop")
+            )
+            getenv = (isinstance(f, ast.Attribute) and f.attr == "getenv") or (
+                isinstance(f, ast.Name) and f.id == "getenv"
+            )
             if from_environ or getenv:
                 keys.append(node.args[0])
         elif isinstance(node, ast.Subscript) and _is_environ(node.value):
@@ -111,8 +119,14 @@ def _shell_reads(source: str) -> set[str]:
 def code_reads() -> dict[str, set[str]]:
     """Every ``ODC_*`` variable the code reads -> the files that read it."""
     where: dict[str, set[str]] = {}
-    tops = [ROOT / "torch_odc", ROOT / "benchmarks", ROOT / ".ci", ROOT / "csrc",
-            ROOT / "setup.py", ROOT / "CMakeLists.txt"]
+    tops = [
+        ROOT / "torch_odc",
+        ROOT / "benchmarks",
+        ROOT / ".ci",
+        ROOT / "csrc",
+        ROOT / "setup.py",
+        ROOT / "CMakeLists.txt",
+    ]
     for top in tops:
         for path in _files(top):
             rel = str(path.relative_to(ROOT))
@@ -215,16 +229,21 @@ def _default_text(value) -> str:
 def test_every_odc_variable_the_code_reads_is_documented_and_no_other():
     reads = code_reads()
     # The scanner itself: the variables of each language it must find.
-    for known in ("ODC_CUDA_COLLECTIVES", "ODC_HOST_ID",  # Python, torch_odc/
-                  "ODC_CUDA_CTAS", "ODC_CUDA_PUSH",        # C++, csrc/
-                  "ODC_FORCE_CPU",                          # setup.py
-                  "ODC_TORCH"):                             # shell, .ci/bootstrap
+    for known in (
+        "ODC_CUDA_COLLECTIVES",
+        "ODC_HOST_ID",  # Python, torch_odc/
+        "ODC_CUDA_CTAS",
+        "ODC_CUDA_PUSH",  # C++, csrc/
+        "ODC_FORCE_CPU",  # setup.py
+        "ODC_TORCH",
+    ):  # shell, .ci/bootstrap
         assert known in reads, f"the scan found no read of {known}: {sorted(reads)}"
     documented = doc_env()
     missing = {name: sorted(files) for name, files in reads.items() if name not in documented}
     assert not missing, (
         "read by the code but not in docs/configuration.md's environment tables (add a row: "
-        f"values, default, effect): {missing}")
+        f"values, default, effect): {missing}"
+    )
     stale = sorted(documented - set(reads))
     assert not stale, f"docs/configuration.md lists variables nothing reads any more: {stale}"
 
@@ -234,10 +253,13 @@ def test_python_scanner_finds_reads_in_every_form():
         "import os\nfrom os import environ, getenv\n_NAME = 'ODC_G'\n"
         "os.environ.get('ODC_A')\nos.environ['ODC_B']\nos.getenv('ODC_C', '1')\n"
         "'ODC_D' in os.environ\nos.environ.setdefault('ODC_E', '')\ngetenv('ODC_F')\n"
-        "environ.get(_NAME)\nos.environ.get('OTHER')\nprint('ODC_H')\n")
+        "environ.get(_NAME)\nos.environ.get('OTHER')\nprint('ODC_H')\n"
+    )
     assert _python_reads(src, "<test>") == {f"ODC_{c}" for c in "ABCDEFG"}
     assert _shell_reads('# ${ODC_X}\nx="${ODC_Y:-1}"; echo $ODC_Z\nODC_W=1 run\n') == {
-        "ODC_Y", "ODC_Z"}
+        "ODC_Y",
+        "ODC_Z",
+    }
 
 
 def _check_fields(subsection: str, fields: dict[str, object]):
@@ -250,7 +272,8 @@ def _check_fields(subsection: str, fields: dict[str, object]):
         cells = table[name]
         assert len(cells) == 4, f"{subsection}.{name}: expected field | type | default | effect"
         assert cells[2].startswith(_default_text(default)), (
-            f"{subsection}.{name}: the code's default is {default!r}, the page says {cells[2]!r}")
+            f"{subsection}.{name}: the code's default is {default!r}, the page says {cells[2]!r}"
+        )
 
 
 def _dataclass_defaults(cls, exclude=()) -> dict[str, object]:
@@ -280,8 +303,9 @@ def test_odc_engine_config_fields_are_documented():
     verl's meaning), read from the source: importing it needs verl."""
     path = ROOT / "torch_odc" / "integrations" / "verl" / "_engine.py"
     tree = ast.parse(path.read_text(), str(path))
-    (cls,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
-              and n.name == "ODCEngineConfig"]
+    (cls,) = [
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ODCEngineConfig"
+    ]
     fields = {}
     for node in cls.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
@@ -308,25 +332,29 @@ def test_api_arguments_are_documented():
     }
     table = doc_api()
     assert sorted(table) == sorted(functions), (
-        f"the API table covers {sorted(table)}, expected {sorted(functions)}")
+        f"the API table covers {sorted(table)}, expected {sorted(functions)}"
+    )
     for qualname, fn in functions.items():
         params = {}
         for p in inspect.signature(fn).parameters.values():
             name = {p.VAR_KEYWORD: f"**{p.name}", p.VAR_POSITIONAL: f"*{p.name}"}.get(
-                p.kind, p.name)
+                p.kind, p.name
+            )
             params[name] = p
         documented = table[qualname]
         assert sorted(documented) == sorted(params), (
-            f"{qualname}: the page lists {sorted(documented)}, the function takes "
-            f"{sorted(params)}")
+            f"{qualname}: the page lists {sorted(documented)}, the function takes {sorted(params)}"
+        )
         for name, p in params.items():
             cells = documented[name]
             assert len(cells) == 5, (
-                f"{qualname}({name}): function | argument | type | default | effect")
+                f"{qualname}({name}): function | argument | type | default | effect"
+            )
             if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                 continue
             if p.kind == p.KEYWORD_ONLY:
                 assert "keyword only" in cells[2], f"{qualname}({name}) is keyword-only"
             want = "required" if p.default is p.empty else _default_text(p.default)
             assert cells[3].startswith(want), (
-                f"{qualname}({name}): the code's default is {want}, the page says {cells[3]!r}")
+                f"{qualname}({name}): the code's default is {want}, the page says {cells[3]!r}"
+            )

@@ -84,8 +84,13 @@ class Net(nn.Module):
 
 def make_model(cfg) -> Net:
     torch.manual_seed(4321)
-    model = Net(cfg.get("lora", False), cfg.get("branch", False), cfg.get("tied", False),
-                cfg.get("norm"), cfg.get("dim", DIM))
+    model = Net(
+        cfg.get("lora", False),
+        cfg.get("branch", False),
+        cfg.get("tied", False),
+        cfg.get("norm"),
+        cfg.get("dim", DIM),
+    )
     for name in cfg.get("freeze", ()):  # whole modules frozen (requires_grad=False)
         model.get_submodule(name).requires_grad_(False)
     return model
@@ -123,8 +128,11 @@ def reference(cfg, plan, world, norms: list | None = None) -> dict:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
         if norms is not None:
-            norms.append(torch.nn.utils.get_total_norm(
-                [p.grad for p in model.parameters() if p.grad is not None]).item())
+            norms.append(
+                torch.nn.utils.get_total_norm(
+                    [p.grad for p in model.parameters() if p.grad is not None]
+                ).item()
+            )
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -152,16 +160,20 @@ def sharded(cfg, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = cfg.get("device", "cpu")
-    model = make_model(cfg).to(torch.device("cuda", torch.cuda.current_device())
-                               if device == "cuda" else "cpu")
+    model = make_model(cfg).to(
+        torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
+    )
     # cfg["mesh"] = (replicas, shards): HSDP over a 2-D mesh; otherwise 1-D FSDP.
-    mesh = (init_device_mesh(device, cfg["mesh"], mesh_dim_names=("replicate", "shard"))
-            if cfg.get("mesh") else init_device_mesh(device, (world,)))
-    kwargs = {"mesh": mesh,
-              "reshard_after_forward": cfg.get("reshard_after_forward", True)}
+    mesh = (
+        init_device_mesh(device, cfg["mesh"], mesh_dim_names=("replicate", "shard"))
+        if cfg.get("mesh")
+        else init_device_mesh(device, (world,))
+    )
+    kwargs = {"mesh": mesh, "reshard_after_forward": cfg.get("reshard_after_forward", True)}
     if cfg.get("mp"):
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cfg["mp"][0],
-                                                   reduce_dtype=cfg["mp"][1])
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=cfg["mp"][0], reduce_dtype=cfg["mp"][1]
+        )
     # cfg["units"]: lists of module names sharded together by one fully_shard call (one FSDP
     # unit spanning several modules); the blocks not named there get a unit each.
     grouped = {name for unit in cfg.get("units", ()) for name in unit}
@@ -192,10 +204,14 @@ def train(rank, world, cfg, plan):
 
     def build():
         model = sharded(cfg, world)
-        handle = (torch_odc.attach(model, eager_publish=cfg.get("eager", True))
-                  if cfg.get("attach", True) else None)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
-                              momentum=0.9)
+        handle = (
+            torch_odc.attach(model, eager_publish=cfg.get("eager", True))
+            if cfg.get("attach", True)
+            else None
+        )
+        opt = torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9
+        )
         return model, handle, opt
 
     model, handle, opt = build()
@@ -203,7 +219,7 @@ def train(rank, world, cfg, plan):
         seqs = samples(mb, sum(counts))
         tokens = sum(s.shape[1] - 1 for s in seqs)
         start = sum(counts[:rank])
-        mine = [s.to(next(model.parameters()).device) for s in seqs[start:start + counts[rank]]]
+        mine = [s.to(next(model.parameters()).device) for s in seqs[start : start + counts[rank]]]
         for i, seq in enumerate(mine):
             if cfg.get("no_sync"):  # FSDP2's gradient accumulation without communication
                 model.set_requires_gradient_sync(i == len(mine) - 1)
@@ -227,8 +243,9 @@ def train(rank, world, cfg, plan):
             model, handle, opt = build()
             state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
             dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
     if cfg.get("device") == "cuda":
         full = {k: v.to_local().detach().float().cpu() for k, v in model.state_dict().items()}
     else:
@@ -268,13 +285,29 @@ CASES = {
     # which a rank with no microbatch in the next minibatch never runs; clipping over
     # model.parameters() then met the unsharded parameters. Also published lazily (no
     # unshard/reshard of every unit at the first forward).
-    "eval-forward-between-minibatches": ({"eval_forward": True, "norm": "affine",
-                                          "units": [["norm", "head"]],
-                                          "reshard_after_forward": False, "clip": 0.05}, 2, 2e-5),
-    "eval-forward-between-minibatches-w4": ({"eval_forward": True, "eager": False,
-                                              "norm": "affine", "units": [["norm", "head"]],
-                                              "reshard_after_forward": False, "clip": 0.05},
-                                             4, 2e-5),
+    "eval-forward-between-minibatches": (
+        {
+            "eval_forward": True,
+            "norm": "affine",
+            "units": [["norm", "head"]],
+            "reshard_after_forward": False,
+            "clip": 0.05,
+        },
+        2,
+        2e-5,
+    ),
+    "eval-forward-between-minibatches-w4": (
+        {
+            "eval_forward": True,
+            "eager": False,
+            "norm": "affine",
+            "units": [["norm", "head"]],
+            "reshard_after_forward": False,
+            "clip": 0.05,
+        },
+        4,
+        2e-5,
+    ),
     "no-reshard": ({"reshard_after_forward": False, "branch": True}, 2, 2e-5),
     # .grad is a view of the accumulator after the barrier: zeroed in place, or kept (then the
     # next minibatch's gradient adds to it, parameters without one keep it).
@@ -285,19 +318,41 @@ CASES = {
     # torchtitan's [norm, output] and PyTorch's [layers[i], layers[i+1]]; accelerate's
     # [norm, lm_head] with reshard_after_forward=False; PyTorch's tied [tok_embeddings, output];
     # units without a trainable parameter (all frozen; no parameters at all).
-    "unit-norm-head-and-block-pair-w4": ({"norm": "affine", "branch": True,
-                                          "units": [["norm", "head"], ["blocks.0", "blocks.1"]]},
-                                         4, 2e-5),
-    "unit-norm-head-no-reshard": ({"norm": "affine", "units": [["norm", "head"]],
-                                   "reshard_after_forward": False}, 2, 2e-5),
-    "unit-norm-head-no-reshard-bf16-w4": ({"norm": "affine", "units": [["norm", "head"]],
-                                           "reshard_after_forward": False, "mp": (BF16, FP32)},
-                                          4, REL16),
+    "unit-norm-head-and-block-pair-w4": (
+        {"norm": "affine", "branch": True, "units": [["norm", "head"], ["blocks.0", "blocks.1"]]},
+        4,
+        2e-5,
+    ),
+    "unit-norm-head-no-reshard": (
+        {"norm": "affine", "units": [["norm", "head"]], "reshard_after_forward": False},
+        2,
+        2e-5,
+    ),
+    "unit-norm-head-no-reshard-bf16-w4": (
+        {
+            "norm": "affine",
+            "units": [["norm", "head"]],
+            "reshard_after_forward": False,
+            "mp": (BF16, FP32),
+        },
+        4,
+        REL16,
+    ),
     "unit-tied-emb-head": ({"tied": True, "units": [["emb", "head"]]}, 2, 2e-5),
-    "unit-tied-emb-head-bf16-w4": ({"tied": True, "units": [["emb", "head"]],
-                                    "mp": (BF16, FP32)}, 4, REL16),
-    "unit-without-trainable-params": ({"norm": "plain", "freeze": ["blocks.1", "head"],
-                                       "units": [["norm"], ["blocks.1", "head"]]}, 2, 2e-5),
+    "unit-tied-emb-head-bf16-w4": (
+        {"tied": True, "units": [["emb", "head"]], "mp": (BF16, FP32)},
+        4,
+        REL16,
+    ),
+    "unit-without-trainable-params": (
+        {
+            "norm": "plain",
+            "freeze": ["blocks.1", "head"],
+            "units": [["norm"], ["blocks.1", "head"]],
+        },
+        2,
+        2e-5,
+    ),
 }
 
 
@@ -315,18 +370,37 @@ def test_odc_equals_reference(name):
         err = max((got[k] - ref).abs().max().item() for k, ref in want.items())
         print(f"{name} rank {rank}: max |ODC - reference| {err:.2e} (largest update {moved:.2e})")
         for key, ref in want.items():
-            torch.testing.assert_close(got[key], ref, rtol=0, atol=atol,
-                                       msg=lambda m, k=key, r=rank: f"{name} rank {r} {k}: {m}")
+            torch.testing.assert_close(
+                got[key],
+                ref,
+                rtol=0,
+                atol=atol,
+                msg=lambda m, k=key, r=rank: f"{name} rank {r} {k}: {m}",
+            )
             if cfg.get("lora") and "lora_" not in key:
                 assert torch.equal(got[key], init[key]), f"frozen {key} changed"
 
 
-GPU_CASES = ["fp32-w2", "wide-fp32", "wide-bf16-reduce-fp32", "wide-bf16-reduce-bf16",
-             "bf16-reduce-fp32", "bf16-reduce-bf16", "fp16-divide-factor-2",
-             "divide-factor-1", "lora-frozen", "conditional-params", "no-sync", "tied-weights",
-             "grads-kept-across-steps", "unit-norm-head-and-block-pair-w4",
-             "unit-norm-head-no-reshard-bf16-w4", "unit-tied-emb-head",
-             "unit-without-trainable-params", "eval-forward-between-minibatches"]
+GPU_CASES = [
+    "fp32-w2",
+    "wide-fp32",
+    "wide-bf16-reduce-fp32",
+    "wide-bf16-reduce-bf16",
+    "bf16-reduce-fp32",
+    "bf16-reduce-bf16",
+    "fp16-divide-factor-2",
+    "divide-factor-1",
+    "lora-frozen",
+    "conditional-params",
+    "no-sync",
+    "tied-weights",
+    "grads-kept-across-steps",
+    "unit-norm-head-and-block-pair-w4",
+    "unit-norm-head-no-reshard-bf16-w4",
+    "unit-tied-emb-head",
+    "unit-without-trainable-params",
+    "eval-forward-between-minibatches",
+]
 
 
 # The push's other path (on sm_90 the bulk path is the default): the wide cases again.
@@ -361,14 +435,18 @@ def test_gpu_odc_equals_reference(name, push):
     err = max((got[k] - ref).abs().max().item() for k, ref in want.items())
     print(f"GPU {name}: max |ODC - reference| {err:.2e} (largest update {moved:.2e})")
     for key, ref in want.items():
-        torch.testing.assert_close(got[key], ref, rtol=0, atol=atol,
-                                   msg=lambda m, k=key: f"GPU {name} {k}: {m}")
+        torch.testing.assert_close(
+            got[key], ref, rtol=0, atol=atol, msg=lambda m, k=key: f"GPU {name} {k}: {m}"
+        )
 
 
 @pytest.mark.skipif(
-    not hasattr(__import__("torch.distributed.fsdp").distributed.fsdp.FSDPModule,
-                "set_reduce_scatter_unused_params"),
-    reason="FSDPModule.set_reduce_scatter_unused_params is new in torch 2.15")
+    not hasattr(
+        __import__("torch.distributed.fsdp").distributed.fsdp.FSDPModule,
+        "set_reduce_scatter_unused_params",
+    ),
+    reason="FSDPModule.set_reduce_scatter_unused_params is new in torch 2.15",
+)
 def test_reduce_scatter_unused_params_sets_zero_gradients_like_fsdp2():
     """With set_reduce_scatter_unused_params(True) FSDP2 reduce-scatters zeros for trainable
     parameters without a gradient (so .grad is zeros, not None: momentum moves them)."""
@@ -378,8 +456,9 @@ def test_reduce_scatter_unused_params_sets_zero_gradients_like_fsdp2():
 def test_dcp_checkpoint_and_reattach_mid_training():
     """Also with a unit of two modules (one key across the detach and the re-attach)."""
     with tempfile.TemporaryDirectory(prefix="odc-dcp-") as tmp:
-        _two_ranks_equal_the_reference({"dcp": tmp, "branch": True, "norm": "affine",
-                                        "units": [["norm", "head"]]})
+        _two_ranks_equal_the_reference(
+            {"dcp": tmp, "branch": True, "norm": "affine", "units": [["norm", "head"]]}
+        )
 
 
 def _two_ranks_equal_the_reference(cfg):
@@ -400,7 +479,7 @@ def _grads_after_one_minibatch(rank, world, cfg, count):
     handle = torch_odc.attach(model) if cfg["attach"] else None
     seqs = samples(0, world * count, seed=5)
     tokens = sum(s.shape[1] - 1 for s in seqs)
-    for seq in seqs[rank * count:(rank + 1) * count]:
+    for seq in seqs[rank * count : (rank + 1) * count]:
         (loss_of(model, seq) * world / tokens).backward()
     if handle is not None:
         torch_odc.minibatch_barrier()
@@ -442,8 +521,9 @@ def test_16bit_reduction_over_many_microbatches_is_no_less_precise_than_fsdp2(mp
         cfg = {"mp": (mp_dtype, None), "attach": attach}
         errors[attach] = error(run_ranks(world, _grads_after_one_minibatch, cfg, count)[0])
     odc, fsdp2 = errors[True], errors[False]
-    print(f"relative gradient error, {count} microbatches per rank: ODC {odc:.2e}, "
-          f"FSDP2 {fsdp2:.2e}")
+    print(
+        f"relative gradient error, {count} microbatches per rank: ODC {odc:.2e}, FSDP2 {fsdp2:.2e}"
+    )
     assert odc <= fsdp2 * 1.05 + 1e-7, (odc, fsdp2)
 
 
@@ -473,7 +553,8 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
         "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0),
         "grad.norm()": lambda: [p.grad.norm() for p in params if p.grad is not None],
         "get_total_norm": lambda: torch.nn.utils.get_total_norm(
-            [p.grad for p in params if p.grad is not None]),
+            [p.grad for p in params if p.grad is not None]
+        ),
         "zero_grad(set_to_none=False)": lambda: opt.zero_grad(set_to_none=False),
     }
     errors, idle_none, norms = [], [], []
@@ -481,7 +562,7 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
         seqs = [s.to(device) for s in samples(mb, sum(counts))]
         tokens = sum(s.shape[1] - 1 for s in seqs)
         start = sum(counts[:rank])
-        mine = seqs[start:start + counts[rank]]
+        mine = seqs[start : start + counts[rank]]
         for i, seq in enumerate(mine):
             model.set_requires_gradient_sync(i == len(mine) - 1)
             (loss_of(model, seq) * world / tokens).backward()
@@ -498,8 +579,9 @@ def _grad_reads_before_the_barrier(rank, world, cfg, plan, ckpt):
             state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
             dcp.save(state, checkpoint_id=os.path.join(ckpt, f"mb{mb}"))
         torch_odc.minibatch_barrier()
-        squares = sum(p.grad.to_local().double().pow(2).sum().item()
-                      for p in params if p.grad is not None)
+        squares = sum(
+            p.grad.to_local().double().pow(2).sum().item() for p in params if p.grad is not None
+        )
         clipped = None if cuda else torch.nn.utils.clip_grad_norm_(params, 1e9).item()
         norms.append((clipped, squares))
         opt.step()
@@ -540,8 +622,9 @@ def _check_grad_reads(results, cfg, plan):
         assert idle_none == [True] * sum(c[rank] == 0 for c in plan), idle_none
         clipped = [c for c, _ in norms]
         if clipped[0] is not None:
-            torch.testing.assert_close(torch.tensor(clipped), torch.tensor(want_norms),
-                                       rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(clipped), torch.tensor(want_norms), rtol=1e-5, atol=0
+            )
     summed = [sum(r[2][mb][1] for r in results) ** 0.5 for mb in range(len(plan))]
     torch.testing.assert_close(torch.tensor(summed), torch.tensor(want_norms), rtol=1e-5, atol=0)
     return want
@@ -597,10 +680,13 @@ def _attach_error(rank, world, kind):
     return "attached"
 
 
-@pytest.mark.parametrize("kind,words", [
-    ("reshard-int", "reshard_after_forward=<int>"),
-    ("optimizer-in-backward", "post-accumulate-grad hooks"),
-])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("reshard-int", "reshard_after_forward=<int>"),
+        ("optimizer-in-backward", "post-accumulate-grad hooks"),
+    ],
+)
 def test_unsupported_options_are_refused_at_attach_naming_module_and_option(kind, words):
     for msg in run_ranks(4, _attach_error, kind):
         assert words in msg and "torch_odc.attach: module '" in msg, msg
@@ -615,7 +701,7 @@ def _world_of_one(rank, world):
 
 
 def test_a_world_of_one_rank_keeps_fsdp2s_own_path():
-    (got, caught), = run_ranks(1, _world_of_one)
+    ((got, caught),) = run_ranks(1, _world_of_one)
     assert any("one rank" in m for m in caught), caught
     want = reference({"branch": True}, [[2], [0], [3]], 1)
     for key, ref in want.items():
@@ -634,8 +720,12 @@ def _handle_state(rank, world):
     handle.barrier()  # on one rank: nothing to do (FSDP2's own path), and no error
     stats = handle.stats()
     handle.detach()
-    return {"attached": attached, "stats_on_demand": stats.get("on_demand", True),
-            "memory": stats["memory"], "detached": handle.on_demand}
+    return {
+        "attached": attached,
+        "stats_on_demand": stats.get("on_demand", True),
+        "memory": stats["memory"],
+        "detached": handle.on_demand,
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -709,7 +799,7 @@ def _metric_allreduce_in_loop(rank, world):
     counts = [3, 1]
     error = None
     try:
-        for seq in samples(0, 4)[:counts[rank]]:
+        for seq in samples(0, 4)[: counts[rank]]:
             loss = loss_of(model, seq)
             loss.backward()
             metric = loss.detach().clone()

@@ -59,8 +59,10 @@ def test_too_few_or_too_alike_microbatches_fall_back_to_the_forward():
 def test_every_rank_derives_the_same_figure_whatever_the_order_of_the_points():
     pts = points(2e9, 180e3, 90e3, [1500, 2600, 4100, 5200, 6100, 6900])
     ref = fit_bytes_per_token(pts)[0]
-    assert all(fit_bytes_per_token(p)[0] == ref
-               for p in (pts[::-1], pts[3:] + pts[:3], sorted(pts, key=lambda p: -p[2])))
+    assert all(
+        fit_bytes_per_token(p)[0] == ref
+        for p in (pts[::-1], pts[3:] + pts[:3], sorted(pts, key=lambda p: -p[2]))
+    )
     assert math.isfinite(ref)
 
 
@@ -92,13 +94,21 @@ def _counted(kind: int, rows):
     pairs (1) and padding-free rows (2); GRPO's rollouts (3: longest prompt, left-padded to a
     multiple of 64, plus longest completion, per row)."""
     if kind == 3:
+
         def size(mb):
-            return len(mb) * sum(left_padded_widths(
-                max(rows[i][0] for i in mb), max(rows[i][1] for i in mb), 64, True))
+            return len(mb) * sum(
+                left_padded_widths(
+                    max(rows[i][0] for i in mb), max(rows[i][1] for i in mb), 64, True
+                )
+            )
+
         return size, lambda i: (1, rows[i]), lambda d: sum(left_padded_widths(*d, 64, True))
     free = kind == 2
-    return ((lambda mb: padded_tokens([rows[i] for i in mb], free, 8)),
-            (lambda i: row_shape(rows[i], free)), (lambda d: round_up(d[0], 8) if d else 1))
+    return (
+        (lambda mb: padded_tokens([rows[i] for i in mb], free, 8)),
+        (lambda i: row_shape(rows[i], free)),
+        (lambda d: round_up(d[0], 8) if d else 1),
+    )
 
 
 def test_packing_takes_the_fewest_microbatches_then_the_fewest_padded_tokens():
@@ -114,8 +124,11 @@ def test_packing_takes_the_fewest_microbatches_then_the_fewest_padded_tokens():
     for case in range(400):
         n, cap, kind = rng.randint(1, 9), rng.randint(50, 6000), case % 4
         lengths = [rng.choice([rng.randint(1, 100), rng.randint(1, 3000)]) for _ in range(2 * n)]
-        rows = ([(lengths[i], 1 + lengths[n + i] % 40) for i in range(n)] if kind == 3 else
-                [tuple(lengths[i::n][:1 + (kind == 1)]) for i in range(n)])
+        rows = (
+            [(lengths[i], 1 + lengths[n + i] % 40) for i in range(n)]
+            if kind == 3
+            else [tuple(lengths[i::n][: 1 + (kind == 1)]) for i in range(n)]
+        )
         size, shape, width = _counted(kind, rows)
         got = pack_padded(range(n), shape, width, cap)
         assert sorted(i for mb in got for i in mb) == list(range(n))

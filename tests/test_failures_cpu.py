@@ -15,8 +15,9 @@ pytestmark = pytest.mark.serial  # durations against the timeout, /dev/shm befor
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_peer_is_reported_fast_naming_it(how, eager):
     before = odc_shm_names()
-    results = run_ranks(2, fail_in_second_minibatch, how, eager, pg_timeout=PG_TIMEOUT,
-                        may_die=(1,))
+    results = run_ranks(
+        2, fail_in_second_minibatch, how, eager, pg_timeout=PG_TIMEOUT, may_die=(1,)
+    )
     msg, elapsed = results[0]
     check_failure_report(how, eager, msg, elapsed, before)
     if how == "kill":

@@ -26,8 +26,16 @@ def _run(world, device_kind, ref_backend, tmp_path):
     # CPU table runs in processes without CUDA (CPU ranks, also on a GPU machine), where
     # dist.barrier(device_ids=...) is a CPU barrier.
     cuda = device_kind == "cuda"
-    return world, run_ranks(world, run_table, device_kind, ref_backend, str(tmp_path), cuda=cuda,
-                            timeout=600, env=None if cuda else {"CUDA_VISIBLE_DEVICES": ""})
+    return world, run_ranks(
+        world,
+        run_table,
+        device_kind,
+        ref_backend,
+        str(tmp_path),
+        cuda=cuda,
+        timeout=600,
+        env=None if cuda else {"CUDA_VISIBLE_DEVICES": ""},
+    )
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -43,8 +51,9 @@ def test_framework_call_matches_gloo(cpu_report, name):
         # barrier) torch refused it by name on odc.
         for rank, rep in enumerate(per_rank):
             diff, kind = rep[name]
-            assert diff is None or (name == "monitored_barrier_default_group" and kind == "error"), (
-                f"world {world} rank {rank} {name}: {rep[name]}")
+            assert diff is None or (
+                name == "monitored_barrier_default_group" and kind == "error"
+            ), f"world {world} rank {rank} {name}: {rep[name]}"
         return
     if name in EXPECTED_GLOO_DIFFERENCES:
         # monitored_barrier: torch refuses it by backend name, on odc as on nccl. The flat
@@ -52,13 +61,15 @@ def test_framework_call_matches_gloo(cpu_report, name):
         for rank, rep in enumerate(per_rank):
             diff, kind = rep[name]
             assert diff is not None and kind == EXPECTED_GLOO_DIFFERENCES[name], (
-                f"world {world} rank {rank} {name}: {rep[name]}")
+                f"world {world} rank {rank} {name}: {rep[name]}"
+            )
         return
     assert_case(world, per_rank, name, GLOO_REJECTS)
 
 
-@pytest.fixture(scope="module", params=[w for w in (2, 4) if w <= GPUS] or [2],
-                ids=lambda w: f"world{w}")
+@pytest.fixture(
+    scope="module", params=[w for w in (2, 4) if w <= GPUS] or [2], ids=lambda w: f"world{w}"
+)
 def gpu_report(request, tmp_path_factory):
     if GPUS < 2:
         pytest.skip("needs at least 2 CUDA GPUs (nccl reference)")

@@ -11,8 +11,11 @@ from torch_odc.demo import TinyDecoder, sequence_lengths, shard_model
 def train_fsdp2(rank, world, device_kind, steps, microbatches, reshard_after_forward):
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = torch.device(device_kind, torch.cuda.current_device()) if device_kind == "cuda" else (
-        torch.device("cpu"))
+    device = (
+        torch.device(device_kind, torch.cuda.current_device())
+        if device_kind == "cuda"
+        else (torch.device("cpu"))
+    )
     torch.manual_seed(0)
     model = TinyDecoder(vocab=97, dim=32, layers=3, heads=4, max_len=64).to(device)
     mesh = init_device_mesh(device_kind, (world,))
@@ -43,8 +46,13 @@ def test_fsdp2_over_odc_matches_gloo(world, reshard_after_forward):
         assert odc_losses == ref_losses
         assert odc_params.keys() == ref_params.keys()
         for name in ref_params:
-            torch.testing.assert_close(odc_params[name], ref_params[name], rtol=0, atol=1e-6,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} param {n}: {m}")
+            torch.testing.assert_close(
+                odc_params[name],
+                ref_params[name],
+                rtol=0,
+                atol=1e-6,
+                msg=lambda m, n=name, r=rank: f"rank {r} param {n}: {m}",
+            )
     # Training moved the parameters: the comparison is not between two untouched models.
     torch.manual_seed(0)
     init = TinyDecoder(vocab=97, dim=32, layers=3, heads=4, max_len=64).state_dict()

@@ -40,15 +40,45 @@ def test_gpu_odc_matches_fsdp2_over_nccl(world, mp, reshard, empty_root, atol, f
     if world > GPUS:
         pytest.skip(f"needs {world} GPUs")
     uneven, even = PLANS[world]
-    odc = run_ranks(world, train_odc, uneven, empty_root, mp, reshard, LR, None, "cuda", True,
-                    backend="odc", cuda=True, env={"ODC_CUDA_FUSED": "1" if fused else "0"})
-    nccl = run_ranks(world, train_odc, even, empty_root, mp, reshard, LR, None, "cuda", False,
-                     backend="nccl", cuda=True)
+    odc = run_ranks(
+        world,
+        train_odc,
+        uneven,
+        empty_root,
+        mp,
+        reshard,
+        LR,
+        None,
+        "cuda",
+        True,
+        backend="odc",
+        cuda=True,
+        env={"ODC_CUDA_FUSED": "1" if fused else "0"},
+    )
+    nccl = run_ranks(
+        world,
+        train_odc,
+        even,
+        empty_root,
+        mp,
+        reshard,
+        LR,
+        None,
+        "cuda",
+        False,
+        backend="nccl",
+        cuda=True,
+    )
     cpu_ref = reference(uneven, empty_root, LR)  # the same samples, one process, fp32
     for rank in range(world):
         for name, want in nccl[rank][0].items():
-            torch.testing.assert_close(odc[rank][0][name], want, rtol=0, atol=atol,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n} vs NCCL: {m}")
+            torch.testing.assert_close(
+                odc[rank][0][name],
+                want,
+                rtol=0,
+                atol=atol,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n} vs NCCL: {m}",
+            )
             if mp is None:
                 torch.testing.assert_close(odc[rank][0][name], cpu_ref[name], rtol=0, atol=1e-4)
         stats = odc[rank][1]["total"]
@@ -70,5 +100,10 @@ def test_gpu_first_forward_does_not_wait_for_a_peer_reaching_each_module(eager):
     want = reference([[1, 1], [1, 1]], False, LR)
     for rank in range(2):
         for name, ref in want.items():
-            torch.testing.assert_close(results[rank][2][name], ref, rtol=0, atol=1e-4,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                results[rank][2][name],
+                ref,
+                rtol=0,
+                atol=1e-4,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )

@@ -46,8 +46,9 @@ def _slow_step(rank, world):
         if mb == 0 and rank == 1:
             before = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
             time.sleep(SLEEP_S)
-            out["unchanged"] = all(torch.equal(p.grad.to_local(), before[n])
-                                   for n, p in model.named_parameters())
+            out["unchanged"] = all(
+                torch.equal(p.grad.to_local(), before[n]) for n, p in model.named_parameters()
+            )
         opt.step()
         opt.zero_grad()
     out["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -116,7 +117,9 @@ def _grads_are_accumulator_views(rank, world):
                 facts.setdefault("placeholders_during_microbatches", True)
                 facts["placeholders_during_microbatches"] &= all(
                     isinstance(p.grad._local_tensor, _NoGradBeforeBarrier)
-                    and _allocates_nothing(p.grad._local_tensor) for p in model.parameters())
+                    and _allocates_nothing(p.grad._local_tensor)
+                    for p in model.parameters()
+                )
         torch_odc.minibatch_barrier()
         inside = []
         for key in handle._keys:
@@ -136,8 +139,9 @@ def _grads_are_accumulator_views(rank, world):
     facts["padded_shard_numel"] = sum(k.shard_numel for k in handle._keys)
     # The sharded parameters live in the shard caches (the region holds them, not a copy).
     region_lo, region_bytes = handle._backend._region_span
-    facts["params_in_region"] = all(region_lo < p.to_local().data_ptr() < region_lo + region_bytes
-                                    for p in model.parameters())
+    facts["params_in_region"] = all(
+        region_lo < p.to_local().data_ptr() < region_lo + region_bytes for p in model.parameters()
+    )
     # detach() leaves .grad as copies and moves the parameters out (the region is freed): both
     # still readable afterwards, with their values.
     loss_of(model, samples(2, 1)[0]).backward()
@@ -146,11 +150,13 @@ def _grads_are_accumulator_views(rank, world):
     values = {n: p.to_local().clone() for n, p in model.named_parameters()}
     handle.detach()
     facts["grads_after_detach"] = all(
-        torch.equal(p.grad.to_local(), expected[n]) for n, p in model.named_parameters())
+        torch.equal(p.grad.to_local(), expected[n]) for n, p in model.named_parameters()
+    )
     facts["params_after_detach"] = all(
         torch.equal(p.to_local(), values[n])
         and not region_lo <= p.to_local().data_ptr() < region_lo + region_bytes
-        for n, p in model.named_parameters())
+        for n, p in model.named_parameters()
+    )
     dist.barrier()
     return facts
 
@@ -187,11 +193,14 @@ def _outlive(rank, world):
     values = {n: p.to_local().clone() for n, p in model.named_parameters()}
     dist.destroy_process_group()
     import gc
+
     gc.collect()
     # Fresh memory reuses what an unmapped region left (a dangling view would read it).
     scratch = [torch.full((1 << 16,), 7.0) for _ in range(64)]
-    same = all(torch.equal(p.to_local(), values[n]) and torch.equal(p.grad.to_local(), grads[n])
-               for n, p in model.named_parameters())
+    same = all(
+        torch.equal(p.to_local(), values[n]) and torch.equal(p.grad.to_local(), grads[n])
+        for n, p in model.named_parameters()
+    )
     del scratch
     return same
 
@@ -206,8 +215,9 @@ FREE_PLAN = [[2, 1], [1, 3], [0, 2], [3, 0]]
 
 
 def _train_freeing(rank, world, free_memory, device="cpu"):
-    full, stats, _ = train_odc(rank, world, FREE_PLAN, False, None, True, 0.05, device=device,
-                               free_memory=free_memory)
+    full, stats, _ = train_odc(
+        rank, world, FREE_PLAN, False, None, True, 0.05, device=device, free_memory=free_memory
+    )
     return full, stats
 
 
@@ -262,8 +272,10 @@ def test_free_gradient_memory_refuses_once_gradients_were_pushed_on_every_rank()
     assert "rank 1: peer rank 0 refused torch_odc.free_gradient_memory()" in peer, peer
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
-                    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build",
+)
 def test_gpu_free_gradient_memory_trains_as_keeping_it():
     """The CUDA IPC transport: accumulators freed after every step (cudaFree once every peer
     closed its IPC mapping), a new allocation per minibatch, the same parameters as keeping them
@@ -307,8 +319,10 @@ def _exported_allocation_sizes(rank, world):
     return sizes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
-                    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build",
+)
 def test_gpu_memory_peers_map_is_allocated_in_whole_2mib_pages():
     """The region and every generation of accumulators are cudaMalloc'ed in whole 2 MiB pages:
     a peer maps them at attach and the accumulators again at every restore, and on an H200 that
@@ -322,5 +336,8 @@ def test_gpu_memory_peers_map_is_allocated_in_whole_2mib_pages():
                 assert reported == allocated, sizes
         for what, allocated, used in (row for row in sizes if row[0] != "held"):
             assert used % (2 << 20) != 0, (what, used)  # else the test shows nothing
-            assert allocated % (2 << 20) == 0 and used <= allocated < used + (2 << 20), \
-                (what, allocated, used)
+            assert allocated % (2 << 20) == 0 and used <= allocated < used + (2 << 20), (
+                what,
+                allocated,
+                used,
+            )

@@ -37,8 +37,10 @@ UNEVEN = [[1, 2, 0, 3], [3, 0, 1, 1], [0, 0, 2, 1], [2, 2, 0, 0]]
 EVEN = [[2, 2, 2, 2], [1, 1, 1, 1], [3, 3, 3, 3]]
 MESH = (2, 2)
 # One rank per GPU, 4 ranks; the CUDA IPC transport for ODC inside a shard group.
-FOUR_GPUS = pytest.mark.skipif(GPUS < 4 or not torch_odc._C._has_cuda_transport(),
-                               reason="needs 4 CUDA GPUs (one per rank) and a CUDA build")
+FOUR_GPUS = pytest.mark.skipif(
+    GPUS < 4 or not torch_odc._C._has_cuda_transport(),
+    reason="needs 4 CUDA GPUs (one per rank) and a CUDA build",
+)
 # "cpu" (Gloo, always runs) and "gpu" (one rank per GPU, NCCL between them: 4 GPUs).
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=FOUR_GPUS)]
 
@@ -51,21 +53,34 @@ def _close(results, cfg, plan, world, tol=2e-5):
     assert moved > 20 * atol
     for rank, got in enumerate(results):
         for key, ref in want.items():
-            torch.testing.assert_close(got[key], ref, rtol=0, atol=atol,
-                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+            torch.testing.assert_close(
+                got[key], ref, rtol=0, atol=atol, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}"
+            )
 
 
-@pytest.mark.parametrize("name,cfg,tol", [
-    # No-sync microbatches: set_requires_gradient_sync(True) on the last one must not turn
-    # FSDP2's per-microbatch all-reduce across replicas back on (it hung with uneven counts).
-    ("fp32", {"mesh": MESH, "branch": True, "no_sync": True}, 2e-5),
-    ("bf16", {"mesh": MESH, "mp": (BF16, FP32)}, REL16),
-    ("divide-factor-1", {"mesh": MESH, "divide_factor": 1.0}, 2e-5),
-    # .grad kept across optimizer steps: the kept part stays out of the replicas' sum. With an
-    # FSDP unit of two modules (one key).
-    ("grads-kept-across-steps", {"mesh": MESH, "branch": True, "zero_grad": "keep",
-                                 "norm": "affine", "units": [["norm", "head"]]}, 2e-5),
-])
+@pytest.mark.parametrize(
+    "name,cfg,tol",
+    [
+        # No-sync microbatches: set_requires_gradient_sync(True) on the last one must not turn
+        # FSDP2's per-microbatch all-reduce across replicas back on (it hung with uneven counts).
+        ("fp32", {"mesh": MESH, "branch": True, "no_sync": True}, 2e-5),
+        ("bf16", {"mesh": MESH, "mp": (BF16, FP32)}, REL16),
+        ("divide-factor-1", {"mesh": MESH, "divide_factor": 1.0}, 2e-5),
+        # .grad kept across optimizer steps: the kept part stays out of the replicas' sum. With an
+        # FSDP unit of two modules (one key).
+        (
+            "grads-kept-across-steps",
+            {
+                "mesh": MESH,
+                "branch": True,
+                "zero_grad": "keep",
+                "norm": "affine",
+                "units": [["norm", "head"]],
+            },
+            2e-5,
+        ),
+    ],
+)
 def test_hsdp_uneven_counts_across_shards_and_replicas_equal_the_reference(name, cfg, tol):
     _close(run_ranks(4, train, cfg, UNEVEN), cfg, UNEVEN, 4, tol)
 
@@ -96,8 +111,10 @@ def _fsdp2_checked(rank, world, cfg, plan):
                 raise RuntimeError(
                     f"rank {rank}: FSDP2's reduce-scatter #{calls[0]} over ranks "
                     f"{dist.get_process_group_ranks(group)}: (input, output) elements per rank "
-                    f"{sizes} differ; NCCL would hang here")
+                    f"{sizes} differ; NCCL would hang here"
+                )
             return real[name](output, input, *args, **kwargs)
+
         return checked
 
     for name in names:
@@ -124,15 +141,24 @@ def _odc_equals_fsdp2_hsdp_over_collectives(device):
     cuda = device == "cuda"
     cfg = {"mesh": MESH, "device": device}
     odc = run_ranks(4, train, cfg, EVEN, cuda=cuda)
-    fsdp2 = run_ranks(4, _fsdp2_checked, {**cfg, "attach": False}, EVEN,
-                      backend="nccl" if cuda else "gloo", cuda=cuda)
+    fsdp2 = run_ranks(
+        4,
+        _fsdp2_checked,
+        {**cfg, "attach": False},
+        EVEN,
+        backend="nccl" if cuda else "gloo",
+        cuda=cuda,
+    )
     for rank, (a, b) in enumerate(zip(odc, fsdp2, strict=True)):
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=2e-5,
-                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+            torch.testing.assert_close(
+                a[key], b[key], rtol=0, atol=2e-5, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}"
+            )
     if cuda:  # each replica's two ranks hold the whole model as dim-0 shards
-        odc = [{k: torch.cat([r[k] for r in replica]) for k in replica[0]}
-               for replica in (odc[:2], odc[2:])]
+        odc = [
+            {k: torch.cat([r[k] for r in replica]) for k in replica[0]}
+            for replica in (odc[:2], odc[2:])
+        ]
     _close(odc, cfg, EVEN, 4)
 
 
@@ -182,8 +208,12 @@ def _with_host_ids(rank, world, cfg, plan, hosts):
         if isinstance(pg, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
             cuda_backend = torch_odc.odc_backend(pg).cuda_backend
             inner[tuple(sorted(members))] = None if cuda_backend is None else cuda_backend.name()
-    return {"params": params, "counters": counters, "inner": inner,
-            "warnings": [str(w.message) for w in caught if "torch_odc" in str(w.message)]}
+    return {
+        "params": params,
+        "counters": counters,
+        "inner": inner,
+        "warnings": [str(w.message) for w in caught if "torch_odc" in str(w.message)],
+    }
 
 
 COUNTERS = ("minibatches", "keyed_gathers", "keyed_reduce_scatters")
@@ -193,8 +223,13 @@ UNITS = 3  # FSDP units of the test model: blocks.0, blocks.1, the root (emb, he
 def _whole(results, replicas):
     """The parameters of each replica: on GPUs its ranks' dim-0 shards put together."""
     per = len(results) // replicas
-    return [{k: torch.cat([r["params"][k] for r in results[i * per:(i + 1) * per]])
-             for k in results[0]["params"]} for i in range(replicas)]
+    return [
+        {
+            k: torch.cat([r["params"][k] for r in results[i * per : (i + 1) * per]])
+            for k in results[0]["params"]
+        }
+        for i in range(replicas)
+    ]
 
 
 def test_a_mesh_of_shard_groups_of_one_rank_keeps_fsdp2s_own_path():
@@ -222,10 +257,12 @@ def test_a_1d_mesh_over_several_hosts_keeps_collectives_and_names_the_hsdp_mesh(
         assert len(got["warnings"]) == 1, (rank, got["warnings"])
         message = got["warnings"][0]
         assert "the group spans 2 hosts" in message, message
-        assert ('init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))'
-                in message), message
-        assert ("this model keeps collective semantics and minibatch_barrier() is a no-op"
-                in message), message
+        assert (
+            'init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))' in message
+        ), message
+        assert (
+            "this model keeps collective semantics and minibatch_barrier() is a no-op" in message
+        ), message
         assert got["counters"] == [[]] * len(EVEN), (rank, got["counters"])
         assert got["inner"][(0, 1, 2, 3)] == ("nccl" if cuda else None), (rank, got["inner"])
     _close(_whole(results, 1) if cuda else [r["params"] for r in results], cfg, EVEN, 4)
@@ -244,10 +281,16 @@ def test_an_hsdp_mesh_with_one_host_per_shard_group_runs_on_demand(device):
     results = run_ranks(4, _with_host_ids, cfg, UNEVEN, 2, cuda=cuda)
     for rank, got in enumerate(results):
         assert got["warnings"] == [], (rank, got["warnings"])
-        ran = [sum(counts[rank] for counts in UNEVEN[:mb + 1]) for mb in range(len(UNEVEN))]
+        ran = [sum(counts[rank] for counts in UNEVEN[: mb + 1]) for mb in range(len(UNEVEN))]
         assert got["counters"] == [
-            [{"minibatches": mb + 1, "keyed_gathers": 2 * UNITS * n,
-              "keyed_reduce_scatters": UNITS * n}] for mb, n in enumerate(ran)
+            [
+                {
+                    "minibatches": mb + 1,
+                    "keyed_gathers": 2 * UNITS * n,
+                    "keyed_reduce_scatters": UNITS * n,
+                }
+            ]
+            for mb, n in enumerate(ran)
         ], (rank, got["counters"])
         shard = (rank - rank % 2, rank - rank % 2 + 1)
         replicate = (rank % 2, rank % 2 + 2)
@@ -283,8 +326,10 @@ def _placed(rank, world, cfg, plan, ranks_per_gpu):
         params = train(rank, world, cfg, plan)
     shards = cfg["mesh"][1]
     first = rank - rank % shards
-    groups = {"shard": list(range(first, first + shards)),
-              "replicate": list(range(rank % shards, world, shards))}
+    groups = {
+        "shard": list(range(first, first + shards)),
+        "replicate": list(range(rank % shards, world, shards)),
+    }
     inner = {}
     for pg, members in dist.distributed_c10d._world.pg_group_ranks.items():
         for what, ranks in groups.items():
@@ -292,9 +337,13 @@ def _placed(rank, world, cfg, plan, ranks_per_gpu):
                 cuda_backend = torch_odc.odc_backend(pg).cuda_backend
                 name = None if cuda_backend is None else cuda_backend.name()
                 inner[what] = inner.get(what) or name
-    return (params, torch.cuda.current_device() if cuda else None, inner,
-            [str(w.message) for w in caught if "torch_odc" in str(w.message)],
-            None if cuda else _cuda_collectives_choices(rank, world))
+    return (
+        params,
+        torch.cuda.current_device() if cuda else None,
+        inner,
+        [str(w.message) for w in caught if "torch_odc" in str(w.message)],
+        None if cuda else _cuda_collectives_choices(rank, world),
+    )
 
 
 def _check_two_gpu_layout(name, device):
@@ -303,8 +352,15 @@ def _check_two_gpu_layout(name, device):
     cuda = device == "cuda"
     # auto (the default) spelled out: NCCL per group unless two of its ranks share a GPU.
     start = time.monotonic()
-    results = run_ranks(4, _placed, cfg, UNEVEN, 2, env={"ODC_CUDA_COLLECTIVES": "auto"},
-                        timeout=150.0 if cuda else 300.0)
+    results = run_ranks(
+        4,
+        _placed,
+        cfg,
+        UNEVEN,
+        2,
+        env={"ODC_CUDA_COLLECTIVES": "auto"},
+        timeout=150.0 if cuda else 300.0,
+    )
     print(f"{name} on {device}: 4 ranks ran in {time.monotonic() - start:.1f} s")
     for rank, (_, gpu, inner, caught, choices) in enumerate(results):
         shard = [rank - rank % 2, rank - rank % 2 + 1]
@@ -314,8 +370,10 @@ def _check_two_gpu_layout(name, device):
             assert gpu == rank // 2, (rank, gpu)
             # The replicas' all-reduce at the barrier ran over NCCL across the two GPUs; the
             # shard group's CUDA collectives (clipping only) over Gloo, named in one warning.
-            assert inner == {"replicate": "nccl",
-                             "shard": "gloo" if cfg.get("clip") else None}, (rank, inner)
+            assert inner == {"replicate": "nccl", "shard": "gloo" if cfg.get("clip") else None}, (
+                rank,
+                inner,
+            )
             named = [m for m in caught if f"of the process group of ranks {shard} " in m]
             assert len(named) == (1 if cfg.get("clip") else 0), (rank, caught)
             assert not any(f"group of ranks {replicate} " in m for m in caught), (rank, caught)
@@ -324,8 +382,10 @@ def _check_two_gpu_layout(name, device):
             assert caught == [], (rank, caught)
             _check_cuda_collectives_choices(rank, choices)
     if cuda:  # each replica's two ranks hold the whole model as dim-0 shards
-        params = [{k: torch.cat([r[0][k] for r in replica]) for k in replica[0][0]}
-                  for replica in (results[:2], results[2:])]
+        params = [
+            {k: torch.cat([r[0][k] for r in replica]) for k in replica[0][0]}
+            for replica in (results[:2], results[2:])
+        ]
     else:
         params = [r[0] for r in results]
     _close(params, cfg, UNEVEN, 4, tol)
@@ -341,15 +401,18 @@ def _cuda_collectives_choices(rank, world):
 
     store = dist.distributed_c10d._get_default_store()
     gpu = f"GPU-{rank // 2}"
-    groups = {"shard": (rank % 2, [rank - rank % 2, rank - rank % 2 + 1]),
-              "replicate": (rank // 2, [rank % 2, rank % 2 + 2]),
-              "world": (rank, list(range(world)))}
+    groups = {
+        "shard": (rank % 2, [rank - rank % 2, rank - rank % 2 + 1]),
+        "replicate": (rank // 2, [rank % 2, rank % 2 + 2]),
+        "world": (rank, list(range(world))),
+    }
     out = {}
     for what, (group_rank, ranks) in groups.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             choice = _backend._cuda_collectives_for(
-                dist.PrefixStore(f"{what}{ranks}/", store), group_rank, len(ranks), ranks, gpu)
+                dist.PrefixStore(f"{what}{ranks}/", store), group_rank, len(ranks), ranks, gpu
+            )
         out[what] = choice, [str(w.message) for w in caught]
     return out
 
@@ -379,8 +442,9 @@ def _auto_choice_with_a_rank_missing(rank, world):
         store = dist.PrefixStore("lonely/", dist.distributed_c10d._get_default_store())
         t0 = time.perf_counter()
         try:
-            _backend._cuda_collectives_for(store, 0, 2, [0, 1], "GPU-0",
-                                           datetime.timedelta(seconds=2))
+            _backend._cuda_collectives_for(
+                store, 0, 2, [0, 1], "GPU-0", datetime.timedelta(seconds=2)
+            )
         except RuntimeError as exc:
             out = (str(exc), time.perf_counter() - t0)
     dist.barrier()  # rank 1 stays until rank 0 is done
@@ -413,8 +477,9 @@ def test_hsdp_2x2_layout_with_shared_devices_runs_on_cpu():
     _check_two_gpu_layout("bf16-clip", "cpu")
 
 
-@pytest.mark.skipif(GPUS < 2 or not torch_odc._C._has_cuda_transport(),
-                    reason="needs 2 CUDA GPUs and a CUDA build")
+@pytest.mark.skipif(
+    GPUS < 2 or not torch_odc._C._has_cuda_transport(), reason="needs 2 CUDA GPUs and a CUDA build"
+)
 @pytest.mark.parametrize("name", list(TWO_GPU_CASES))
 def test_gpu_hsdp_2x2_on_two_gpus_shard_groups_share_a_gpu(name):
     _check_two_gpu_layout(name, "cuda")

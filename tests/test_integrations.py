@@ -39,8 +39,7 @@ def test_micro_mode_gives_every_rank_the_same_number_of_microbatches():
 
 def test_loss_tokens_set_the_global_count_and_ranks_may_be_empty():
     lengths, loss_tokens = [50, 20], [49, 0]  # the second sequence is all prompt
-    shares = [balance.plan_for_rank(lengths, 4, r, 64, loss_tokens=loss_tokens)
-              for r in range(4)]
+    shares = [balance.plan_for_rank(lengths, 4, r, 64, loss_tokens=loss_tokens) for r in range(4)]
     assert [s.num_tokens for s in shares] == [49] * 4
     assert sum(1 for s in shares if not s.microbatches) == 2  # fewer sequences than ranks
     assert shares[0].loss_scale() == pytest.approx(4 / 49)
@@ -60,10 +59,12 @@ def test_lengths_from_tensors_and_numpy_give_the_same_share():
 
 def test_cost_arguments_reach_the_planner():
     lengths = [4000, 100, 100, 100, 100, 100, 100, 100]
-    by_flops = balance.plan_for_rank(lengths, 2, 0, 8192, cost="flops", num_params=1e6,
-                                     num_layers=8, hidden_size=256)
-    assert by_flops.plan == balance.plan(lengths, 2, 8192, cost="flops", num_params=1e6,
-                                         num_layers=8, hidden_size=256)
+    by_flops = balance.plan_for_rank(
+        lengths, 2, 0, 8192, cost="flops", num_params=1e6, num_layers=8, hidden_size=256
+    )
+    assert by_flops.plan == balance.plan(
+        lengths, 2, 8192, cost="flops", num_params=1e6, num_layers=8, hidden_size=256
+    )
 
 
 def test_oversized_sequences_warn_at_the_caller():
@@ -156,6 +157,11 @@ def test_plan_for_rank_and_loss_scale_train_like_one_process(divide_factor, defe
     init = make_model(False).state_dict()
     for rank, (params, _) in enumerate(results):
         for name, ref in want.items():
-            torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                params[name],
+                ref,
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
     assert max((want[k] - init[k]).abs().max().item() for k in want) > 1e-3

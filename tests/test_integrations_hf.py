@@ -69,16 +69,34 @@ def build_model(lora: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    )
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj"],
-                                                 task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                target_modules=["q_proj", "v_proj"],
+                task_type="CAUSAL_LM",
+            ),
+        )
         with torch.no_grad():  # peft zeroes lora_B: give it values so every adapter trains
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -92,8 +110,8 @@ def collate(features):
     ids = torch.zeros(len(features), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, f in enumerate(features):
-        ids[row, :len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[row, :len(f["input_ids"])] = 1
+        ids[row, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[row, : len(f["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -102,18 +120,33 @@ def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
-                                   pad_token="t0", eos_token="t1", bos_token="t1")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
+        pad_token="t0",
+        eos_token="t1",
+        bos_token="t1",
+    )
 
 
 def common_args(odc: bool, cuda: bool = False, per_device: int | None = None) -> dict:
-    args = {"output_dir": tempfile.mkdtemp(prefix="odc-hf-"), "num_train_epochs": 1,
-            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
-            "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
-            "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
-            "per_device_train_batch_size":
-                per_device or (PER_DEVICE if odc else PER_DEVICE * WORLD)}
+    args = {
+        "output_dir": tempfile.mkdtemp(prefix="odc-hf-"),
+        "num_train_epochs": 1,
+        "learning_rate": LR,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "optim": "adamw_torch",
+        "weight_decay": 0.01,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": not cuda,
+        "train_sampling_strategy": "sequential",
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        "per_device_train_batch_size": per_device or (PER_DEVICE if odc else PER_DEVICE * WORLD),
+    }
     if odc:
         args.update(fsdp=True, fsdp_config={"version": 2})
     return args
@@ -132,34 +165,51 @@ def train(kind: str, odc: bool, cuda: bool = False, per_device: int | None = Non
     # The AUTO_KINDS run LB-Mini with the derived cap (ODCConfig's defaults).
     # sft_pad: ODC pads each microbatch's length to a multiple of PAD (through TRL's collator;
     # on GPUs the default does so to 64).
-    config = (ODCConfig(pad_to_multiple_of=PAD) if kind == "sft_pad" else ODCConfig()
-              if kind in AUTO_KINDS else ODCConfig(max_tokens_per_microbatch=40, planner=planner))
+    config = (
+        ODCConfig(pad_to_multiple_of=PAD)
+        if kind == "sft_pad"
+        else ODCConfig()
+        if kind in AUTO_KINDS
+        else ODCConfig(max_tokens_per_microbatch=40, planner=planner)
+    )
     extra = {"odc": config} if odc else {}
     if kind in ("sft", "sft_lora", "sft_auto", "sft_pad"):
         import datasets
         from trl import SFTConfig, SFTTrainer
 
         cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
-        trainer = cls(model=model, processing_class=tokenizer(),
-                      train_dataset=datasets.Dataset.from_list(data),
-                      args=SFTConfig(**common_args(odc, cuda, per_device), max_length=None,
-                                     dataset_kwargs={"skip_prepare_dataset": True}), **extra)
+        trainer = cls(
+            model=model,
+            processing_class=tokenizer(),
+            train_dataset=datasets.Dataset.from_list(data),
+            args=SFTConfig(
+                **common_args(odc, cuda, per_device),
+                max_length=None,
+                dataset_kwargs={"skip_prepare_dataset": True},
+            ),
+            **extra,
+        )
     else:
         cls = odc_trainer(Trainer) if odc else Trainer
         # Full fine-tuning also counts the input tokens seen (the Trainer gathers them per
         # microbatch; the module once per step).
         tokens = {"include_num_input_tokens_seen": "non_padding"} if kind == "full" else {}
-        trainer = cls(model=model,
-                      args=TrainingArguments(**common_args(odc, cuda, per_device), **tokens),
-                      train_dataset=data, data_collator=collate, **extra)
+        trainer = cls(
+            model=model,
+            args=TrainingArguments(**common_args(odc, cuda, per_device), **tokens),
+            train_dataset=data,
+            data_collator=collate,
+            **extra,
+        )
     trainer.train()
     params = full_params(trainer.model)
     steps = [h for h in trainer.state.log_history if "loss" in h]
-    return {"params": params, "trainable": sorted(n for n, p in trainer.model.named_parameters()
-                                                  if p.requires_grad),
-            "logs": steps, "odc_steps": getattr(trainer, "odc_steps", None)}
-
-
+    return {
+        "params": params,
+        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
+        "logs": steps,
+        "odc_steps": getattr(trainer, "odc_steps", None),
+    }
 
 
 def _set_rank_env(rank, world):
@@ -192,8 +242,9 @@ except ImportError:  # the SFTTrainer case needs TRL
 @functools.cache
 def references(kinds: tuple = tuple(KINDS), cuda: bool = False):
     with environ(ONE_GPU if cuda else None):
-        return run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600,
-                         cuda=cuda)[0]
+        return run_ranks(1, _reference, list(kinds), cuda, backend="gloo", timeout=600, cuda=cuda)[
+            0
+        ]
 
 
 @functools.cache
@@ -230,9 +281,12 @@ def check(kind, reference, odc, cuda=False):
             assert counts[:2] == WANT_COUNTS, counts
         if kind == "sft_pad" or (kind == "sft_auto" and cuda):  # the collator padded for ODC
             pad = PAD if kind == "sft_pad" else 64
-            assert all(s["padded_tokens"] % pad == 0 and s["padded_tokens"] > 0
-                       and all(p % pad == 0 for p in s["padded_per_rank"])
-                       for s in out["odc_steps"]), out["odc_steps"]
+            assert all(
+                s["padded_tokens"] % pad == 0
+                and s["padded_tokens"] > 0
+                and all(p % pad == 0 for p in s["padded_per_rank"])
+                for s in out["odc_steps"]
+            ), out["odc_steps"]
         assert len(counts) == STEPS and sum(counts[2]) >= 2, counts
         # This rank's host seconds: one figure per microbatch it ran.
         for s, c in zip(out["odc_steps"], counts, strict=True):
@@ -265,16 +319,22 @@ def check_derived_cap(steps, cuda=False):
     seqs, per_step = sequences(), PER_DEVICE * WORLD
     plain = 0  # the unmodified trainer's largest microbatch so far (its peak so far)
     for s, record in enumerate(steps):
-        step = [len(x) for x in seqs[s * per_step:(s + 1) * per_step]]  # sequential order
-        plain = max(plain, *(len(step[i:i + PER_DEVICE]) * max(step[i:i + PER_DEVICE])
-                             for i in range(0, per_step, PER_DEVICE)))
+        step = [len(x) for x in seqs[s * per_step : (s + 1) * per_step]]  # sequential order
+        plain = max(
+            plain,
+            *(
+                len(step[i : i + PER_DEVICE]) * max(step[i : i + PER_DEVICE])
+                for i in range(0, per_step, PER_DEVICE)
+            ),
+        )
         assert record["plain_tokens"] == plain, (s, record, step)
         if cuda:
             assert record["cap"] <= (plain // 2 if s == 0 else plain), (s, record)
             if s > 0:  # the first step measured the marginal peak bytes per token
                 bpt = record["bytes_per_token"]
-                assert (0 < record["forward_bytes_per_token"] <= bpt
-                        <= record["peak_bytes_per_token"]), record
+                assert (
+                    0 < record["forward_bytes_per_token"] <= bpt <= record["peak_bytes_per_token"]
+                ), record
                 assert record["cap"] == max(1, plain - math.ceil(record["odc_extra_bytes"] / bpt))
         else:
             assert record["cap"] == plain, (s, record)
@@ -302,9 +362,13 @@ def _collective_per_microbatch(rank, world):
             dist.all_reduce(loss.detach().clone())  # a per-microbatch metric gather
             return loss
 
-    trainer = Chatty(model=build_model(False), args=TrainingArguments(**common_args(True)),
-                     train_dataset=[{"input_ids": s} for s in sequences()], data_collator=collate,
-                     odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner))
+    trainer = Chatty(
+        model=build_model(False),
+        args=TrainingArguments(**common_args(True)),
+        train_dataset=[{"input_ids": s} for s in sequences()],
+        data_collator=collate,
+        odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner),
+    )
     try:
         trainer.train()
     except RuntimeError as err:
@@ -388,32 +452,48 @@ def _evaluate_every_step(odc: bool, kind: str) -> dict:
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     rng = random.Random("eval")
-    evals = [{"input_ids": [2 + rng.randrange(VOCAB - 2) for _ in range(rng.randint(5, 20))]}
-             for _ in range(EVAL_SEQUENCES)]
-    args = {**common_args(odc), "eval_strategy": "steps", "eval_steps": 1,
-            # TRL's evaluation loss is each batch's token mean (no token count across ranks):
-            # its one-process reference evaluates batches of one sequence as well.
-            "per_device_eval_batch_size": 1 if odc or kind == "sft" else WORLD}
+    evals = [
+        {"input_ids": [2 + rng.randrange(VOCAB - 2) for _ in range(rng.randint(5, 20))]}
+        for _ in range(EVAL_SEQUENCES)
+    ]
+    args = {
+        **common_args(odc),
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        # TRL's evaluation loss is each batch's token mean (no token count across ranks):
+        # its one-process reference evaluates batches of one sequence as well.
+        "per_device_eval_batch_size": 1 if odc or kind == "sft" else WORLD,
+    }
     extra = {"odc": ODCConfig(max_tokens_per_microbatch=40, planner=planner)} if odc else {}
     if kind == "sft":
         import datasets
         from trl import SFTConfig, SFTTrainer
 
         cls = odc_trainer(SFTTrainer) if odc else SFTTrainer
-        trainer = cls(model=build_model(False), processing_class=tokenizer(),
-                      train_dataset=datasets.Dataset.from_list([{"input_ids": s}
-                                                                for s in sequences()]),
-                      eval_dataset=datasets.Dataset.from_list(evals),
-                      args=SFTConfig(**args, max_length=None,
-                                     dataset_kwargs={"skip_prepare_dataset": True}), **extra)
+        trainer = cls(
+            model=build_model(False),
+            processing_class=tokenizer(),
+            train_dataset=datasets.Dataset.from_list([{"input_ids": s} for s in sequences()]),
+            eval_dataset=datasets.Dataset.from_list(evals),
+            args=SFTConfig(**args, max_length=None, dataset_kwargs={"skip_prepare_dataset": True}),
+            **extra,
+        )
     else:
         cls = odc_trainer(Trainer) if odc else Trainer
-        trainer = cls(model=build_model(False), args=TrainingArguments(**args),
-                      train_dataset=[{"input_ids": s} for s in sequences()], eval_dataset=evals,
-                      data_collator=collate, **extra)
+        trainer = cls(
+            model=build_model(False),
+            args=TrainingArguments(**args),
+            train_dataset=[{"input_ids": s} for s in sequences()],
+            eval_dataset=evals,
+            data_collator=collate,
+            **extra,
+        )
     trainer.train()
-    return {"params": full_params(trainer.model), "logs": trainer.state.log_history,
-            "odc_steps": getattr(trainer, "odc_steps", None)}
+    return {
+        "params": full_params(trainer.model),
+        "logs": trainer.state.log_history,
+        "odc_steps": getattr(trainer, "odc_steps", None),
+    }
 
 
 def _evaluate_every_step_odc(rank, world, kind):
@@ -450,10 +530,19 @@ def test_evaluation_after_every_step_while_attached_matches_the_one_process_trai
             mine, ref = logged(out["logs"], key), logged(want["logs"], key)
             assert [s for s, _ in mine] == [s for s, _ in ref], (rank, key, mine, ref)
             assert [v for _, v in mine] == pytest.approx([v for _, v in ref], rel=1e-5), (
-                rank, key, mine, ref)
+                rank,
+                key,
+                mine,
+                ref,
+            )
         for name, ref in want["params"].items():
-            torch.testing.assert_close(out["params"][name], ref, rtol=0, atol=ATOL,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                out["params"][name],
+                ref,
+                rtol=0,
+                atol=ATOL,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
 
 
 @pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64"])

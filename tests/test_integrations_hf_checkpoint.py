@@ -60,8 +60,10 @@ FIXED_PLANS = {
 }
 STATE_DICT_TYPES = ["FULL_STATE_DICT", "SHARDED_STATE_DICT"]
 _rng = random.Random("eval")
-EVAL = [{"input_ids": [2 + _rng.randrange(VOCAB - 2) for _ in range(_rng.randint(5, 20))]}
-        for _ in range(4)]
+EVAL = [
+    {"input_ids": [2 + _rng.randrange(VOCAB - 2) for _ in range(_rng.randint(5, 20))]}
+    for _ in range(4)
+]
 BEST_IS_GREATER = False
 
 
@@ -79,13 +81,26 @@ def sft_args(output_dir: str, state_dict_type: str, cuda: bool, **extra):
     clipping that move the parameters, a log per step, the save schedule."""
     from trl import SFTConfig
 
-    args = {"output_dir": output_dir, "max_steps": MAX_STEPS, "learning_rate": LR,
-            "max_grad_norm": MAX_GRAD_NORM, "logging_steps": 1, "save_strategy": "steps",
-            "save_steps": SAVE_AT, "report_to": [], "use_cpu": not cuda, "seed": 0,
-            "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
-            "per_device_train_batch_size": PER_DEVICE, "fsdp": True,
-            "fsdp_config": {"version": 2, "state_dict_type": state_dict_type},
-            "max_length": None, "dataset_kwargs": {"skip_prepare_dataset": True}}
+    args = {
+        "output_dir": output_dir,
+        "max_steps": MAX_STEPS,
+        "learning_rate": LR,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": SAVE_AT,
+        "report_to": [],
+        "use_cpu": not cuda,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        "per_device_train_batch_size": PER_DEVICE,
+        "fsdp": True,
+        "fsdp_config": {"version": 2, "state_dict_type": state_dict_type},
+        "max_length": None,
+        "dataset_kwargs": {"skip_prepare_dataset": True},
+    }
     args.update(extra)
     return SFTConfig(**args)
 
@@ -97,10 +112,14 @@ def make_trainer(args, cls=None, callbacks=None):
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     cls = cls or odc_trainer(SFTTrainer)
-    return cls(model=build_model(False), processing_class=tokenizer(), args=args,
-               train_dataset=datasets.Dataset.from_list([{"input_ids": s} for s in sequences()]),
-               callbacks=callbacks,
-               odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner))
+    return cls(
+        model=build_model(False),
+        processing_class=tokenizer(),
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"input_ids": s} for s in sequences()]),
+        callbacks=callbacks,
+        odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner),
+    )
 
 
 def _set_rank_env(rank, world):
@@ -116,11 +135,14 @@ def _train(rank, world, output_dir, state_dict_type, cuda, resume_from, extra):
         # SHARDED_STATE_DICT, as the Trainer under FSDP).
         trainer.odc_fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
         trainer.save_model(os.path.join(output_dir, "final"))
-    return {"params": full_params(trainer.model),
-            "logs": [h for h in trainer.state.log_history if "loss" in h],
-            "odc_steps": trainer.odc_steps, "global_step": trainer.state.global_step,
-            "total_train_tokens": trainer._total_train_tokens,
-            "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-"))}
+    return {
+        "params": full_params(trainer.model),
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "odc_steps": trainer.odc_steps,
+        "global_step": trainer.state.global_step,
+        "total_train_tokens": trainer._total_train_tokens,
+        "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-")),
+    }
 
 
 @functools.cache
@@ -129,8 +151,7 @@ def runs(state_dict_type: str, cuda: str = ""):
     "" (CPU), "nccl" (one GPU per rank) or "shared" (2 ranks on GPU 0)."""
     # Ranks sharing GPU 0: visible from the ranks' start (run_ranks puts rank r on GPU r % count);
     # their CUDA collectives go through Gloo (NCCL refuses two ranks on one GPU).
-    env = ({"ODC_CUDA_COLLECTIVES": "gloo", "CUDA_VISIBLE_DEVICES": "0"} if cuda == "shared"
-           else {})
+    env = {"ODC_CUDA_COLLECTIVES": "gloo", "CUDA_VISIBLE_DEVICES": "0"} if cuda == "shared" else {}
     first = tempfile.mkdtemp(prefix="odc-hf-ckpt-")
     second = tempfile.mkdtemp(prefix="odc-hf-resume-")
     kw = {"timeout": 600, "cuda": bool(cuda)}
@@ -140,8 +161,16 @@ def runs(state_dict_type: str, cuda: str = ""):
         # at step 6 it saves checkpoint-6 and save_total_limit=1 removes checkpoint-3.
         resume_from = os.path.join(second, f"checkpoint-{SAVE_AT}")
         shutil.copytree(os.path.join(first, f"checkpoint-{SAVE_AT}"), resume_from)
-        resumed = run_ranks(WORLD, _train, second, state_dict_type, bool(cuda), resume_from,
-                            {"save_total_limit": 1}, **kw)
+        resumed = run_ranks(
+            WORLD,
+            _train,
+            second,
+            state_dict_type,
+            bool(cuda),
+            resume_from,
+            {"save_total_limit": 1},
+            **kw,
+        )
     return whole, resumed, first, second
 
 
@@ -153,13 +182,21 @@ def check(state_dict_type, whole, resumed, first, second):
         counts = [s["microbatches"] for s in want["odc_steps"]]
         assert counts[:2] == [[3, 1], [0, 4]] and counts[3] == [2, 0], counts
         assert [(s["epoch"], s["step"]) for s in want["odc_steps"]] == [
-            (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+            (0, 0),
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (1, 0),
+            (1, 1),
+        ]
         assert want["checkpoints"] == ["checkpoint-3", "checkpoint-6"], want["checkpoints"]
         # The resumed run trained steps 4-6 only, on the same plans; save_total_limit=1 kept
         # its last checkpoint only.
         # Every record's content but its timings (host_seconds).
-        plans = [[{k: v for k, v in s.items() if k != "host_seconds"} for s in run["odc_steps"]]
-                 for run in (want, got)]
+        plans = [
+            [{k: v for k, v in s.items() if k != "host_seconds"} for s in run["odc_steps"]]
+            for run in (want, got)
+        ]
         assert plans[1] == plans[0][SAVE_AT:], (got["odc_steps"], want)
         assert got["global_step"] == MAX_STEPS
         assert got["checkpoints"] == ["checkpoint-6"], got["checkpoints"]
@@ -169,7 +206,12 @@ def check(state_dict_type, whole, resumed, first, second):
             assert set(mine) == set(ref), (sorted(mine), sorted(ref))
             for key, value in ref.items():
                 assert mine[key] == pytest.approx(value, rel=RTOL, abs=1e-9), (
-                    rank, mine["step"], key, mine[key], value)
+                    rank,
+                    mine["step"],
+                    key,
+                    mine[key],
+                    value,
+                )
         # TRL's num_tokens is a running total: it continued from the checkpoint.
         tokens = [h["num_tokens"] for h in want["logs"]]
         assert tokens == sorted(tokens) and tokens[SAVE_AT] > tokens[SAVE_AT - 1] > 0, tokens
@@ -180,14 +222,21 @@ def check(state_dict_type, whole, resumed, first, second):
             close(got["params"][name], ref, f"rank {rank} {name}")
             moved = max(moved, (ref - initial[name].detach()).abs().max().item())
         assert moved > 1e-2, moved  # far above the tolerance: a lost step would show
-    worst_log = max(abs(m[k] - r[k]) / max(abs(r[k]), 1e-12)
-                    for out, ref in zip(resumed, whole, strict=True)
-                    for m, r in zip(out["logs"], ref["logs"], strict=True) for k in r)
-    worst_param = max(((out["params"][n] - t).abs().max() / t.abs().max()).item()
-                      for out, ref in zip(resumed, whole, strict=True)
-                      for n, t in ref["params"].items())
-    print(f"{state_dict_type}: resumed vs uninterrupted, largest relative difference: logged "
-          f"values {worst_log:.1e}, parameters {worst_param:.1e} (of the tensor's largest)")
+    worst_log = max(
+        abs(m[k] - r[k]) / max(abs(r[k]), 1e-12)
+        for out, ref in zip(resumed, whole, strict=True)
+        for m, r in zip(out["logs"], ref["logs"], strict=True)
+        for k in r
+    )
+    worst_param = max(
+        ((out["params"][n] - t).abs().max() / t.abs().max()).item()
+        for out, ref in zip(resumed, whole, strict=True)
+        for n, t in ref["params"].items()
+    )
+    print(
+        f"{state_dict_type}: resumed vs uninterrupted, largest relative difference: logged "
+        f"values {worst_log:.1e}, parameters {worst_param:.1e} (of the tensor's largest)"
+    )
     final = whole[0]["params"]
     # The checkpoints: the Trainer's own files; the step-6 model of both runs is the same.
     listing = sorted(os.listdir(os.path.join(first, f"checkpoint-{SAVE_AT}")))
@@ -198,8 +247,7 @@ def check(state_dict_type, whole, resumed, first, second):
         from safetensors.torch import load_file
 
         for run_dir in (first, second):
-            saved = load_file(os.path.join(run_dir, f"checkpoint-{MAX_STEPS}",
-                                           "model.safetensors"))
+            saved = load_file(os.path.join(run_dir, f"checkpoint-{MAX_STEPS}", "model.safetensors"))
             assert sorted(saved) == sorted(final), (sorted(saved), sorted(final))
             for name, ref in final.items():
                 close(saved[name], ref, f"{run_dir} checkpoint-{MAX_STEPS} {name}")
@@ -224,13 +272,15 @@ def check(state_dict_type, whole, resumed, first, second):
         saved_state = json.load(f)
     assert saved_state["global_step"] == SAVE_AT
     assert saved_state["stateful_callbacks"]["ODCTrainerCallback"]["attributes"]["odc"] == {
-        "total_train_tokens": whole[0]["logs"][SAVE_AT - 1]["num_tokens"]}
+        "total_train_tokens": whole[0]["logs"][SAVE_AT - 1]["num_tokens"]
+    }
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal within RTOL relative to the tensor's scale (elements near zero included)."""
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * want.abs().max().item(),
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got, want, rtol=RTOL, atol=RTOL * want.abs().max().item(), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _dcp_model(path: str) -> dict:
@@ -290,22 +340,45 @@ def _save_inside_the_step(rank, world, output_dir):
             control.should_save = state.global_step == 0
 
     args = TrainingArguments(
-        output_dir=output_dir, max_steps=2, learning_rate=LR, max_grad_norm=MAX_GRAD_NORM,
-        logging_steps=1, save_strategy="steps", save_steps=2, eval_strategy="steps",
-        eval_steps=1, per_device_eval_batch_size=1, load_best_model_at_end=True,
-        metric_for_best_model="eval_loss", greater_is_better=BEST_IS_GREATER, report_to=[],
-        use_cpu=True, seed=0, disable_tqdm=True, per_device_train_batch_size=PER_DEVICE,
-        fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
-    trainer = SavesInside(model=build_model(False), args=args, data_collator=collate,
-                          train_dataset=[{"input_ids": s} for s in sequences()],
-                          eval_dataset=EVAL, callbacks=[SaveAfterStepOne()],
-                          odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner))
+        output_dir=output_dir,
+        max_steps=2,
+        learning_rate=LR,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=BEST_IS_GREATER,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        per_device_train_batch_size=PER_DEVICE,
+        fsdp=True,
+        fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
+    )
+    trainer = SavesInside(
+        model=build_model(False),
+        args=args,
+        data_collator=collate,
+        train_dataset=[{"input_ids": s} for s in sequences()],
+        eval_dataset=EVAL,
+        callbacks=[SaveAfterStepOne()],
+        odc=ODCConfig(max_tokens_per_microbatch=40, planner=planner),
+    )
     trainer.train()
-    return {"refused": refused, "params": full_params(trainer.model),
-            "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint")),
-            "best": trainer.state.best_model_checkpoint,
-            "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
-            "counts": [s["microbatches"] for s in trainer.odc_steps]}
+    return {
+        "refused": refused,
+        "params": full_params(trainer.model),
+        "checkpoints": sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint")),
+        "best": trainer.state.best_model_checkpoint,
+        "eval_loss": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+        "counts": [s["microbatches"] for s in trainer.odc_steps],
+    }
 
 
 def test_saves_inside_a_step_are_refused_should_save_saves_after_it_the_best_model_loads():

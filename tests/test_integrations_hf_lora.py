@@ -14,8 +14,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "docs", "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "examples")
+)
 
 import hf_lora_sft as example
 from multiproc import run_ranks
@@ -23,12 +24,22 @@ from multiproc import run_ranks
 WORLD = 2
 LR = 0.1
 SEQUENCES = 6  # per minibatch
-SETTINGS = {"size": "tiny", "minibatches": 3, "sequences": SEQUENCES, "min_len": 6,
-            "max_len": 40, "max_tokens_per_microbatch": 80, "device": "cpu",
-            "optimizer": "sgd", "lr": LR, "seed": 3, "return_params": True}
+SETTINGS = {
+    "size": "tiny",
+    "minibatches": 3,
+    "sequences": SEQUENCES,
+    "min_len": 6,
+    "max_len": 40,
+    "max_tokens_per_microbatch": 80,
+    "device": "cpu",
+    "optimizer": "sgd",
+    "lr": LR,
+    "seed": 3,
+    "return_params": True,
+}
 # plans[mb][rank]: rank's microbatches (indices into the minibatch's sequences).
 UNEVEN = [
-    [[[0, 1], [2], [3, 4, 5]], []],           # rank 1 runs nothing
+    [[[0, 1], [2], [3, 4, 5]], []],  # rank 1 runs nothing
     [[[0]], [[1, 2], [3], [4], [5]]],
     [[[5, 4], [3]], [[0], [1, 2]]],
 ]
@@ -49,12 +60,12 @@ def reference(lora: bool) -> dict:
     """One process, no FSDP: SGD on the token-mean loss of every minibatch's sequences."""
     torch.manual_seed(0)
     model = example.build_model(SETTINGS["size"], lora, SETTINGS["seed"])
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR,
-                          momentum=0.9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     vocab = example.SIZES[SETTINGS["size"]]["vocab_size"]
     for mb in range(SETTINGS["minibatches"]):
-        seqs = example.minibatch(mb, SEQUENCES, vocab, SETTINGS["min_len"], SETTINGS["max_len"],
-                                 SETTINGS["seed"])
+        seqs = example.minibatch(
+            mb, SEQUENCES, vocab, SETTINGS["min_len"], SETTINGS["max_len"], SETTINGS["seed"]
+        )
         num_tokens = sum(len(s) - 1 for s in seqs)
         for s in seqs:  # one sequence at a time: no padding in the reference
             (example.summed_token_loss(model, [s], "cpu") / num_tokens).backward()
@@ -85,8 +96,13 @@ def check_against_reference(results, lora):
         moved = 0.0
         for name, ref in want.items():
             if name in trainable:
-                torch.testing.assert_close(params[name], ref, rtol=0, atol=ATOL,
-                                           msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+                torch.testing.assert_close(
+                    params[name],
+                    ref,
+                    rtol=0,
+                    atol=ATOL,
+                    msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+                )
                 moved = max(moved, (ref - init[name]).abs().max().item())
             else:  # frozen: bit for bit what it was
                 assert torch.equal(params[name], init[name]), f"rank {rank}: {name} moved"
@@ -106,8 +122,9 @@ def test_lora_under_odc_matches_a_single_process_and_fsdp2_collectives(plans):
     check_against_reference(results, lora=True)
     for odc, coll in zip(results, collective_run(True)):
         for name in odc["trainable"]:
-            torch.testing.assert_close(odc["params"][name], coll["params"][name], rtol=0,
-                                       atol=ATOL, msg=name)
+            torch.testing.assert_close(
+                odc["params"][name], coll["params"][name], rtol=0, atol=ATOL, msg=name
+            )
         # Same samples, same model: the same global loss per minibatch either way.
         assert odc["losses"] == pytest.approx(coll["losses"], rel=1e-5)
 

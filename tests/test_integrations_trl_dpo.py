@@ -44,9 +44,14 @@ FIXED_PLANS = {
     1: [[], [[0], [1, 2], [3], [4, 5]]],  # rank 0 runs nothing
 }
 WANT_COUNTS = [[3, 1], [0, 4]]
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
-           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+}
 
 # The training cases: DPOConfig overrides, the model and the reference. "lora": a peft model
 # passed in (TRL copies its adapter into a frozen "ref" adapter, the reference); "peft_config":
@@ -56,14 +61,27 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 CASES = {
     "sigmoid": {"config": {"loss_type": ["sigmoid"]}, "model": "full", "ref": "model"},
     "ipo_lora": {"config": {"loss_type": ["ipo"]}, "model": "lora", "ref": None},
-    "sigmoid_peft_config": {"config": {"loss_type": ["sigmoid"]}, "model": "peft_config",
-                            "ref": None},
-    "precompute": {"config": {"loss_type": ["sigmoid"], "precompute_ref_log_probs": True},
-                   "model": "full", "ref": None},
+    "sigmoid_peft_config": {
+        "config": {"loss_type": ["sigmoid"]},
+        "model": "peft_config",
+        "ref": None,
+    },
+    "precompute": {
+        "config": {"loss_type": ["sigmoid"], "precompute_ref_log_probs": True},
+        "model": "full",
+        "ref": None,
+    },
     # Every step planned by the default LB-Mini, a pair costing its two sequences' FLOPs.
-    "mpo_ld_lbmini": {"config": {"loss_type": ["sigmoid", "bco_pair", "sft"],
-                                 "loss_weights": [0.8, 0.2, 1.0], "ld_alpha": 0.5},
-                      "model": "full", "ref": "model", "planner": "lbmini"},
+    "mpo_ld_lbmini": {
+        "config": {
+            "loss_type": ["sigmoid", "bco_pair", "sft"],
+            "loss_weights": [0.8, 0.2, 1.0],
+            "ld_alpha": 0.5,
+        },
+        "model": "full",
+        "ref": "model",
+        "planner": "lbmini",
+    },
 }
 FLOPS = {"num_params": 5e4, "num_layers": 2, "hidden_size": 32}
 
@@ -80,11 +98,16 @@ def rows(count: int = PAIRS, seed: str = "dpo") -> list[dict]:
     for _ in range(count):
         start, step = rng.randrange(2, VOCAB), rng.randrange(1, 5)
         prompt = [2 + (start + step * k) % (VOCAB - 2) for k in range(rng.randint(2, 8))]
-        chosen = [2 + (start + step * (len(prompt) + k)) % (VOCAB - 2)
-                  for k in range(rng.randint(1, 12))]
-        out.append({"prompt": " ".join(f"w{t}" for t in prompt),
-                    "chosen": " " + " ".join(f"w{t}" for t in chosen) + "</s>",
-                    "rejected": " " + words(rng, rng.randint(1, 12)) + "</s>"})
+        chosen = [
+            2 + (start + step * (len(prompt) + k)) % (VOCAB - 2) for k in range(rng.randint(1, 12))
+        ]
+        out.append(
+            {
+                "prompt": " ".join(f"w{t}" for t in prompt),
+                "chosen": " " + " ".join(f"w{t}" for t in chosen) + "</s>",
+                "rejected": " " + words(rng, rng.randint(1, 12)) + "</s>",
+            }
+        )
     return out
 
 
@@ -102,16 +125,34 @@ def build_model(kind: str = "full", seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    )
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj"],
-                                                 task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                target_modules=["q_proj", "v_proj"],
+                task_type="CAUSAL_LM",
+            ),
+        )
         with torch.no_grad():  # peft zeroes lora_B: the policy then differs from the reference
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -130,16 +171,28 @@ def planner(lengths, world, step):
 def dpo_args(odc: bool, cuda: bool = False, **overrides):
     from trl import DPOConfig
 
-    args = {"output_dir": tempfile.mkdtemp(prefix="odc-dpo-"), "num_train_epochs": 1,
-            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "adamw_torch",
-            "weight_decay": 0.01, "logging_steps": 1, "save_strategy": "no", "report_to": [],
-            "use_cpu": not cuda, "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": False,
-            "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD,
-            "beta": 0.1,
-            # Adam's default 1e-8 turns float32 noise (~1e-10) in a gradient element that is
-            # near zero into update differences of 1e-4; 1e-6 keeps them below 1e-6.
-            "adam_epsilon": 1e-6}
+    args = {
+        "output_dir": tempfile.mkdtemp(prefix="odc-dpo-"),
+        "num_train_epochs": 1,
+        "learning_rate": LR,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "optim": "adamw_torch",
+        "weight_decay": 0.01,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": not cuda,
+        "train_sampling_strategy": "sequential",
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        "per_device_train_batch_size": PER_DEVICE if odc else PER_DEVICE * WORLD,
+        "beta": 0.1,
+        # Adam's default 1e-8 turns float32 noise (~1e-10) in a gradient element that is
+        # near zero into update differences of 1e-4; 1e-6 keeps them below 1e-6.
+        "adam_epsilon": 1e-6,
+    }
     if odc:
         args.update(fsdp=True, fsdp_config={"version": 2})
     args.update(overrides)
@@ -175,20 +228,30 @@ def train(case: str, odc: bool, data_dir: str | None = None, cuda: bool = False)
     if spec["model"] == "peft_config":
         from peft import LoraConfig
 
-        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                          target_modules=["q_proj", "v_proj"],
-                                          task_type="CAUSAL_LM")
-    trainer = cls(model=model, ref_model=ref, args=dpo_args(odc, cuda, **spec["config"]),
-                  train_dataset=dataset, processing_class=tokenizer(), **extra)
+        extra["peft_config"] = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        )
+    trainer = cls(
+        model=model,
+        ref_model=ref,
+        args=dpo_args(odc, cuda, **spec["config"]),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+        **extra,
+    )
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    return {"params": full_params(trainer.model), "initial": initial,
-            "trainable": sorted(n for n, p in trainer.model.named_parameters()
-                                if p.requires_grad),
-            "logs": [h for h in trainer.state.log_history if "loss" in h],
-            "odc_steps": getattr(trainer, "odc_steps", None)}
-
-
+    return {
+        "params": full_params(trainer.model),
+        "initial": initial,
+        "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "odc_steps": getattr(trainer, "odc_steps", None),
+    }
 
 
 def _set_rank_env(rank, world):
@@ -200,8 +263,11 @@ def _set_rank_env(rank, world):
 REFUSALS = {
     "aot": ({"loss_type": ["sigmoid", "aot"]}, "full", "'aot' sorts"),
     "aot_unpaired": ({"loss_type": ["aot_unpaired"]}, "full", "'aot_unpaired' sorts"),
-    "sft_weighting": ({"loss_type": ["sigmoid", "sft"], "use_weighting": True}, "full",
-                      "use_weighting with loss_type 'sft'"),
+    "sft_weighting": (
+        {"loss_type": ["sigmoid", "sft"], "use_weighting": True},
+        "full",
+        "use_weighting with loss_type 'sft'",
+    ),
     "sync_ref_model": ({"sync_ref_model": True}, "full", "sync_ref_model"),
     "precompute_in_memory": ({"precompute_ref_log_probs": True}, "full", "save_to_disk"),
 }
@@ -221,11 +287,14 @@ def _refusal(name: str, cuda: bool = False) -> str | None:
     overrides, kind, _ = {**REFUSALS, **GPU_REFUSALS}[name]
     ref = build_model("full", seed=1) if not overrides.get("precompute_ref_log_probs") else None
     try:
-        odc_trainer(DPOTrainer)(model=build_model(kind), ref_model=ref,
-                                args=dpo_args(True, cuda, **overrides),
-                                train_dataset=datasets.Dataset.from_list(rows(8)),
-                                processing_class=tokenizer(),
-                                odc=ODCConfig(max_tokens_per_microbatch=CAP))
+        odc_trainer(DPOTrainer)(
+            model=build_model(kind),
+            ref_model=ref,
+            args=dpo_args(True, cuda, **overrides),
+            train_dataset=datasets.Dataset.from_list(rows(8)),
+            processing_class=tokenizer(),
+            odc=ODCConfig(max_tokens_per_microbatch=CAP),
+        )
     except ValueError as err:
         return str(err)
     return None
@@ -239,16 +308,22 @@ def _odc_ranks(rank, world, cases, data_dir, cuda=False):
     if rank == 0:
         datasets.Dataset.from_list(rows()).save_to_disk(data_dir)
     dist.barrier()
-    out = {case: train(case, odc=True,
-                       data_dir=data_dir if CASES[case]["config"].get("precompute_ref_log_probs")
-                       else None, cuda=cuda)
-           for case in cases}
+    out = {
+        case: train(
+            case,
+            odc=True,
+            data_dir=data_dir if CASES[case]["config"].get("precompute_ref_log_probs") else None,
+            cuda=cuda,
+        )
+        for case in cases
+    }
     if cuda:
         out["refusals"] = {name: _refusal(name, cuda) for name in GPU_REFUSALS}
     else:
         out["refusals"] = {name: _refusal(name) for name in REFUSALS}
-        out["splits"] = {name: odc_batch(SPLITS[rank], **spec)
-                         for name, spec in SPLIT_CASES.items()}
+        out["splits"] = {
+            name: odc_batch(SPLITS[rank], **spec) for name, spec in SPLIT_CASES.items()
+        }
     return out
 
 
@@ -269,11 +344,20 @@ def runs(cases: tuple = tuple(CASES), cuda: bool = False):
     # Gloo: the one-process reference and the ranks' comparison need no NCCL.
     env = {"ODC_CUDA_COLLECTIVES": "gloo"} if cuda else None
     with environ(ONE_GPU if cuda else None):
-        reference = run_ranks(1, _reference, list(cases), cuda, backend="gloo", timeout=600,
-                              cuda=cuda)[0]
+        reference = run_ranks(
+            1, _reference, list(cases), cuda, backend="gloo", timeout=600, cuda=cuda
+        )[0]
     with tempfile.TemporaryDirectory(prefix="odc-dpo-data-") as tmp:
-        odc = run_ranks(WORLD, _odc_ranks, list(cases), os.path.join(tmp, "pairs"), cuda,
-                        timeout=600, cuda=cuda, env=env)
+        odc = run_ranks(
+            WORLD,
+            _odc_ranks,
+            list(cases),
+            os.path.join(tmp, "pairs"),
+            cuda,
+            timeout=600,
+            cuda=cuda,
+            env=env,
+        )
     return reference, odc
 
 
@@ -288,8 +372,10 @@ GPU_CASES = ["ipo_lora", "sigmoid_peft_config", "precompute"]
 
 # Two GPUs: TRL's DPO prepares its dataset between accelerate's barriers, which name the device
 # of LOCAL_RANK (device_ids=[1] on rank 1: an invalid ordinal on a one-GPU host).
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="needs 2 GPUs (accelerate's barrier names the device of LOCAL_RANK)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 GPUs (accelerate's barrier names the device of LOCAL_RANK)",
+)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_dpo_with_odc_on_gpu_matches_plain_trl(case):
     reference, odc = runs((case,), cuda=True)  # one attach per process group on CUDA
@@ -346,15 +432,31 @@ SPLIT_PAIRS = 6
 # Microbatches of the 6 pairs: rank r computes SPLITS[r] (all of them, on its own).
 SPLITS = ([[0, 1, 2, 3, 4], [5]], [[3], [0, 5], [1, 2, 4]])
 SPLIT_CASES = {
-    **{t: {"loss_type": [t]} for t in ("sigmoid", "hinge", "ipo", "nca_pair", "bco_pair",
-                                      "sppo_hard", "apo_zero", "apo_down", "discopop",
-                                      "sigmoid_norm", "sft")},
+    **{
+        t: {"loss_type": [t]}
+        for t in (
+            "sigmoid",
+            "hinge",
+            "ipo",
+            "nca_pair",
+            "bco_pair",
+            "sppo_hard",
+            "apo_zero",
+            "apo_down",
+            "discopop",
+            "sigmoid_norm",
+            "sft",
+        )
+    },
     "exo_pair": {"loss_type": ["exo_pair"], "label_smoothing": 1e-3},
     "robust": {"loss_type": ["robust"], "label_smoothing": 0.1},
     "forward_kl": {"loss_type": ["sigmoid"], "f_divergence_type": "forward_kl"},
     "js_divergence": {"loss_type": ["hinge"], "f_divergence_type": "js_divergence"},
-    "alpha_divergence": {"loss_type": ["ipo"], "f_divergence_type": "alpha_divergence",
-                         "f_alpha_divergence_coef": 0.3},
+    "alpha_divergence": {
+        "loss_type": ["ipo"],
+        "f_divergence_type": "alpha_divergence",
+        "f_alpha_divergence_coef": 0.3,
+    },
     "ld_alpha": {"loss_type": ["sigmoid"], "ld_alpha": 0.3},
     "wpo": {"loss_type": ["nca_pair", "sigmoid"], "use_weighting": True},
     "mpo": {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
@@ -371,17 +473,22 @@ def trl_batch(**overrides) -> dict:
     """TRL's own loss, gradient and metrics for one batch of the 6 pairs (one process)."""
     from trl import DPOTrainer
 
-    trainer = DPOTrainer(model=build_model(), ref_model=build_model("full", seed=1),
-                         args=dpo_args(False, per_device_train_batch_size=SPLIT_PAIRS,
-                                       **overrides),
-                         train_dataset=_split_data(), processing_class=tokenizer())
+    trainer = DPOTrainer(
+        model=build_model(),
+        ref_model=build_model("full", seed=1),
+        args=dpo_args(False, per_device_train_batch_size=SPLIT_PAIRS, **overrides),
+        train_dataset=_split_data(),
+        processing_class=tokenizer(),
+    )
     pairs = [trainer.train_dataset[i] for i in range(SPLIT_PAIRS)]
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, trainer.data_collator(pairs))
     loss.backward()
-    return {"loss": loss.item(),
-            "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()},
-            "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()}}
+    return {
+        "loss": loss.item(),
+        "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()},
+        "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()},
+    }
 
 
 def odc_batch(split, **overrides) -> dict:
@@ -392,10 +499,14 @@ def odc_batch(split, **overrides) -> dict:
 
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
-    trainer = odc_trainer(DPOTrainer)(model=build_model(), ref_model=build_model("full", seed=1),
-                                      args=dpo_args(True, **overrides),
-                                      train_dataset=_split_data(), processing_class=tokenizer(),
-                                      odc=ODCConfig(max_tokens_per_microbatch=CAP))
+    trainer = odc_trainer(DPOTrainer)(
+        model=build_model(),
+        ref_model=build_model("full", seed=1),
+        args=dpo_args(True, **overrides),
+        train_dataset=_split_data(),
+        processing_class=tokenizer(),
+        odc=ODCConfig(max_tokens_per_microbatch=CAP),
+    )
     pairs = [trainer.train_dataset[i] for i in range(SPLIT_PAIRS)]
     batches = [trainer.data_collator([pairs[i] for i in mb]) for mb in split]
     trainer.model.train()
@@ -410,8 +521,11 @@ def odc_batch(split, **overrides) -> dict:
         total += part.item()
     trainer._odc_in_step = False
     trainer._odc_record_metrics(trainer._odc_sums)
-    return {"loss": total, "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()},
-            "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()}}
+    return {
+        "loss": total,
+        "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()},
+        "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters()},
+    }
 
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
@@ -422,8 +536,11 @@ def test_every_loss_type_is_trls_for_any_split(name):
     assert largest > 1e-3, "no gradient: weak check"
     for rank, split in enumerate(SPLITS):
         got = odc[rank]["splits"][name]
-        got = {**got, "loss": got["loss"] / WORLD,
-               "grads": {n: g / WORLD for n, g in got["grads"].items()}}
+        got = {
+            **got,
+            "loss": got["loss"] / WORLD,
+            "grads": {n: g / WORLD for n, g in got["grads"].items()},
+        }
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), (split, got["loss"])
         assert set(got["metrics"]) == set(want["metrics"])
         for key, value in want["metrics"].items():  # abs: as in the training test
@@ -432,9 +549,13 @@ def test_every_loss_type_is_trls_for_any_split(name):
         # gradient element (discopop's exp(-z) comes closest, 5e-6); a pair weighted by its
         # microbatch's size instead of the step's would be off by a sixth.
         for param, grad in want["grads"].items():
-            torch.testing.assert_close(got["grads"][param], grad, rtol=1e-5,
-                                       atol=2e-5 * largest,
-                                       msg=lambda m, p=param, s=split: f"{s} {p}: {m}")
+            torch.testing.assert_close(
+                got["grads"][param],
+                grad,
+                rtol=1e-5,
+                atol=2e-5 * largest,
+                msg=lambda m, p=param, s=split: f"{s} {p}: {m}",
+            )
 
 
 def test_lbmini_costs_a_pair_as_its_two_sequences():
@@ -448,8 +569,10 @@ def test_lbmini_costs_a_pair_as_its_two_sequences():
     config = ODCConfig(max_tokens_per_microbatch=CAP, cost="flops", cost_args=FLOPS)
     rows = [(30, 12), (9, 40), (25, 25), (3, 4), (50, 8), (7, 7)]
     costs = _row_costs(rows, config)
-    assert costs == [pytest.approx(balance.flops_cost(a, **FLOPS) + balance.flops_cost(b, **FLOPS))
-                     for a, b in rows]
+    assert costs == [
+        pytest.approx(balance.flops_cost(a, **FLOPS) + balance.flops_cost(b, **FLOPS))
+        for a, b in rows
+    ]
     assert costs[0] < balance.flops_cost(42, **FLOPS)
     assert _row_costs([(5,), (7,)], config) is None  # one sequence a row: LB-Mini costs it
     plan = _LBMini(config)([sum(r) for r in rows], WORLD, 0, costs=costs)

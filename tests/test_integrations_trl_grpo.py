@@ -44,69 +44,140 @@ LR = 0.1  # plain SGD: a parameter's difference is lr times its gradient's (Adam
 MAX_GRAD_NORM = 0.5  # up float noise of near-zero gradient elements to ~lr)
 CAP = 24  # max_tokens_per_microbatch: a few rows per microbatch
 ATOL = 1e-6
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
 
 # name: (GRPOConfig overrides, ODC options, aligned slice order, reference)
 #   reference "one": one process, same global batch; "ddp": unmodified TRL on 2 ranks.
 CASES = {
     # The default loss; a step of 2 TRL microbatches; rank 0 runs no microbatch in step 0 (the
     # test's planner gives all rollouts to rank 1), LB-Mini moves rollouts in the others.
-    "dapo": ({"loss_type": "dapo", "gradient_accumulation_steps": 2}, {"rebalance": True}, True,
-             "one"),
+    "dapo": (
+        {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+        {"rebalance": True},
+        True,
+        "one",
+    ),
     # The KL term against a reference model; no moving (each rank packs its own rollouts).
-    "grpo_beta": ({"loss_type": "grpo", "beta": 0.2, "gradient_accumulation_steps": 2},
-                  {"rebalance": False}, True, "one"),
+    "grpo_beta": (
+        {"loss_type": "grpo", "beta": 0.2, "gradient_accumulation_steps": 2},
+        {"rebalance": False},
+        True,
+        "one",
+    ),
     # Two optimizer steps per generation (old log-probs from the generation), TRL's own
     # shuffle and buffering (one TRL microbatch per step: its order does not matter).
     # The default planner (LB-Mini, its shares given to the ranks holding most of their rows).
-    "dr_grpo_iter2": ({"loss_type": "dr_grpo", "num_iterations": 2, "epsilon": 0.05},
-                      {"rebalance": True, "planner": None}, False, "one"),
+    "dr_grpo_iter2": (
+        {"loss_type": "dr_grpo", "num_iterations": 2, "epsilon": 0.05},
+        {"rebalance": True, "planner": None},
+        False,
+        "one",
+    ),
     # No cap given: each step's cap is the largest TRL microbatch's padded size (on CPU ranks
     # nothing is measured or subtracted), LB-Mini moves rows, each rank packs by padded size.
-    "dapo_derived_cap": ({"loss_type": "dapo", "gradient_accumulation_steps": 2},
-                         {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None},
-                         True, "one"),
+    "dapo_derived_cap": (
+        {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+        {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None},
+        True,
+        "one",
+    ),
     # The derived cap with ODC's length padding: prompt and completion widths in multiples of
     # 8 (ODCConfig.pad_to_multiple_of; TRL pads to none), counted in the cap.
-    "dapo_pad": ({"loss_type": "dapo", "gradient_accumulation_steps": 2},
-                 {"rebalance": True, "planner": None, "max_tokens_per_microbatch": None,
-                  "pad_to_multiple_of": 8}, True, "one"),
+    "dapo_pad": (
+        {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+        {
+            "rebalance": True,
+            "planner": None,
+            "max_tokens_per_microbatch": None,
+            "pad_to_multiple_of": 8,
+        },
+        True,
+        "one",
+    ),
     # A generation spanning 2 optimizer steps (steps_per_generation 4, 2 TRL microbatches per
     # step), sequence-level importance sampling, the KL term with its bias correction.
-    "cispo_spg": ({"loss_type": "cispo", "steps_per_generation": 4,
-                   "gradient_accumulation_steps": 2, "importance_sampling_level": "sequence",
-                   "beta": 0.1, "use_bias_correction_kl": True, "epsilon_high": 1.02},
-                  {"rebalance": True}, True, "one"),
+    "cispo_spg": (
+        {
+            "loss_type": "cispo",
+            "steps_per_generation": 4,
+            "gradient_accumulation_steps": 2,
+            "importance_sampling_level": "sequence",
+            "beta": 0.1,
+            "use_bias_correction_kl": True,
+            "epsilon_high": 1.02,
+        },
+        {"rebalance": True},
+        True,
+        "one",
+    ),
     # A generation per TRL microbatch: one optimizer step spans 2 generation batches, each
     # normalized by its own token count.
-    "dapo_gen_per_micro": ({"loss_type": "dapo", "steps_per_generation": 1,
-                            "gradient_accumulation_steps": 2},
-                           {"rebalance": True}, True, "one"),
-    "luspo_seq": ({"loss_type": "luspo", "importance_sampling_level": "sequence",
-                   "num_iterations": 2, "gradient_accumulation_steps": 2},
-                  {"rebalance": True}, True, "one"),
-    "sapo_iter2": ({"loss_type": "sapo", "num_iterations": 2, "gradient_accumulation_steps": 2,
-                    "mask_truncated_completions": True},
-                   {"rebalance": False}, True, "one"),
+    "dapo_gen_per_micro": (
+        {"loss_type": "dapo", "steps_per_generation": 1, "gradient_accumulation_steps": 2},
+        {"rebalance": True},
+        True,
+        "one",
+    ),
+    "luspo_seq": (
+        {
+            "loss_type": "luspo",
+            "importance_sampling_level": "sequence",
+            "num_iterations": 2,
+            "gradient_accumulation_steps": 2,
+        },
+        {"rebalance": True},
+        True,
+        "one",
+    ),
+    "sapo_iter2": (
+        {
+            "loss_type": "sapo",
+            "num_iterations": 2,
+            "gradient_accumulation_steps": 2,
+            "mask_truncated_completions": True,
+        },
+        {"rebalance": False},
+        True,
+        "one",
+    ),
     # Normalized by each rank's own TRL microbatch (token count): only TRL on 2 ranks is the
     # reference. With the adaptive entropy bonus (normalized per microbatch as well).
-    "bnpo_entropy": ({"loss_type": "bnpo", "gradient_accumulation_steps": 2, "num_iterations": 2,
-                      "epsilon": 0.05, "entropy_coef": 0.01, "use_adaptive_entropy": True,
-                      "entropy_target": 3.0},
-                     {"rebalance": True}, True, "ddp"),
+    "bnpo_entropy": (
+        {
+            "loss_type": "bnpo",
+            "gradient_accumulation_steps": 2,
+            "num_iterations": 2,
+            "epsilon": 0.05,
+            "entropy_coef": 0.01,
+            "use_adaptive_entropy": True,
+            "entropy_target": 3.0,
+        },
+        {"rebalance": True},
+        True,
+        "ddp",
+    ),
     # On-policy (VESPO's sequence weight sums the log-ratios of all tokens, which amplifies
     # float noise beyond 1e-6 of the loss off-policy), with a static entropy bonus.
-    "vespo_entropy": ({"loss_type": "vespo", "gradient_accumulation_steps": 2,
-                       "entropy_coef": 0.02},
-                      {"rebalance": False}, True, "ddp"),
+    "vespo_entropy": (
+        {"loss_type": "vespo", "gradient_accumulation_steps": 2, "entropy_coef": 0.02},
+        {"rebalance": False},
+        True,
+        "ddp",
+    ),
 }
 
 
 def prompts() -> list[str]:
     rng = random.Random("test_integrations_trl_grpo")
-    return [" ".join(f"t{rng.randrange(2, VOCAB)}" for _ in range(rng.randint(2, 9)))
-            for _ in range(24)]
+    return [
+        " ".join(f"t{rng.randrange(2, VOCAB)}" for _ in range(rng.randint(2, 9))) for _ in range(24)
+    ]
 
 
 def completion(prompt_ids: list[int], j: int) -> list[int]:
@@ -127,18 +198,30 @@ def tokenizer():
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, "t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                   bos_token="t1")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t0", eos_token="t1", bos_token="t1"
+    )
 
 
 def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    )
 
 
 @functools.cache
@@ -157,11 +240,13 @@ def fixed_trainer_class(sim_world: int, aligned: bool):
     from trl import GRPOTrainer
 
     class FixedGRPO(GRPOTrainer):
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
-                                  has_tool_images=False):
+        def _generate_single_turn(
+            self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+        ):
             # Groups are num_generations consecutive rows and every rank's batch starts a group.
-            return [completion(list(p), i % num_generations)
-                    for i, p in enumerate(prompt_ids)], None
+            return [
+                completion(list(p), i % num_generations) for i, p in enumerate(prompt_ids)
+            ], None
 
         def _prepare_inputs(self, generation_batch):
             if not (aligned and self.model.training):
@@ -174,13 +259,19 @@ def fixed_trainer_class(sim_world: int, aligned: bool):
                 rows = chunk // spg  # one rank's TRL microbatch
                 gen = torch.Generator().manual_seed(1000 + self._step)
                 perm = torch.randperm(chunk, generator=gen).tolist()
-                order = [r * chunk + perm[k * rows + i]
-                         for k in range(spg) for r in range(sim_world) for i in range(rows)]
+                order = [
+                    r * chunk + perm[k * rows + i]
+                    for k in range(spg)
+                    for r in range(sim_world)
+                    for i in range(rows)
+                ]
                 width = rows * sim_world
                 # A vision batch's pixel_values and image_grid_thw per rollout first (TRL's
                 # own split, as its _prepare_inputs does before shuffling).
-                from trl.trainer.utils import (split_pixel_values_by_grid,
-                                               unsplit_pixel_values_by_grid)
+                from trl.trainer.utils import (
+                    split_pixel_values_by_grid,
+                    unsplit_pixel_values_by_grid,
+                )
 
                 batch = split_pixel_values_by_grid(batch)
 
@@ -189,9 +280,15 @@ def fixed_trainer_class(sim_world: int, aligned: bool):
                         return v[ids]
                     return [v[i] for i in ids] if isinstance(v, list) else v
 
-                self._buffered_inputs = [unsplit_pixel_values_by_grid(
-                    {key: pick(v, order[k * width:(k + 1) * width])
-                     for key, v in batch.items()}) for k in range(spg)]
+                self._buffered_inputs = [
+                    unsplit_pixel_values_by_grid(
+                        {
+                            key: pick(v, order[k * width : (k + 1) * width])
+                            for key, v in batch.items()
+                        }
+                    )
+                    for k in range(spg)
+                ]
             return self._buffered_inputs[self._step % spg]
 
     return FixedGRPO
@@ -220,29 +317,49 @@ def train(case: str, mode: str, path: str, cuda: bool = False) -> dict:
     overrides, odc_options, aligned, _ = CASES[case]
     warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
     world = WORLD if mode == "one" else 1
-    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "max_steps": STEPS,
-            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "sgd",
-            "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
-            "report_to": [], "use_cpu": not cuda, "seed": 0, "disable_tqdm": True,
-            "dataloader_num_workers": 0, "bf16": False, "num_generations": NUM_GEN,
-            "max_completion_length": MAX_COMPLETION, "epsilon": 0.1,
-            "per_device_train_batch_size": PER_DEVICE * world, **overrides}
+    args = {
+        "output_dir": tempfile.mkdtemp(prefix="odc-grpo-"),
+        "max_steps": STEPS,
+        "learning_rate": LR,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": not cuda,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        "num_generations": NUM_GEN,
+        "max_completion_length": MAX_COMPLETION,
+        "epsilon": 0.1,
+        "per_device_train_batch_size": PER_DEVICE * world,
+        **overrides,
+    }
     extra = {}
     cls = fixed_trainer_class(world, aligned)
     if mode == "odc":
         args.update(fsdp=True, fsdp_config={"version": 2})
-        extra["odc"] = ODCGRPOConfig(**{"max_tokens_per_microbatch": CAP, "planner": planner,
-                                        **odc_options})
+        extra["odc"] = ODCGRPOConfig(
+            **{"max_tokens_per_microbatch": CAP, "planner": planner, **odc_options}
+        )
         cls = odc_trainer(cls)
-    trainer = cls(model=path, reward_funcs=reward, args=GRPOConfig(**args),
-                  train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
-                  processing_class=tokenizer(), **extra)
+    trainer = cls(
+        model=path,
+        reward_funcs=reward,
+        args=GRPOConfig(**args),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
+        processing_class=tokenizer(),
+        **extra,
+    )
     trainer.train()
-    return {"params": full_params(trainer.model),
-            "logs": [h for h in trainer.state.log_history if "loss" in h],
-            "odc_steps": getattr(trainer, "odc_steps", None)}
-
-
+    return {
+        "params": full_params(trainer.model),
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "odc_steps": getattr(trainer, "odc_steps", None),
+    }
 
 
 # -- a vision-language model (tests/vlm_helpers.py: a tiny Qwen2-VL from a config) ---------------
@@ -257,8 +374,9 @@ def vlm_dataset():
     import vlm_helpers as V
 
     rows = V.rows(VLM_IMAGES, "grpo-vlm")
-    return datasets.Dataset.from_dict({"prompt": [[r["messages"][0]] for r in rows],
-                                       "images": [r["images"] for r in rows]})
+    return datasets.Dataset.from_dict(
+        {"prompt": [[r["messages"][0]] for r in rows], "images": [r["images"] for r in rows]}
+    )
 
 
 def vlm_processor():
@@ -281,25 +399,48 @@ def train_vlm(mode: str) -> dict:
 
     warnings.filterwarnings("ignore", category=balance.OversizedSequenceWarning)
     world = WORLD if mode == "one" else 1
-    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-vlm-"), "max_steps": STEPS,
-            "learning_rate": LR, "max_grad_norm": MAX_GRAD_NORM, "optim": "sgd",
-            "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
-            "report_to": [], "use_cpu": True, "seed": 0, "disable_tqdm": True,
-            "dataloader_num_workers": 0, "bf16": False, "num_generations": 2,
-            "max_completion_length": MAX_COMPLETION, "epsilon": 0.1, "loss_type": "dapo",
-            "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2 * world}
+    args = {
+        "output_dir": tempfile.mkdtemp(prefix="odc-grpo-vlm-"),
+        "max_steps": STEPS,
+        "learning_rate": LR,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": False,
+        "num_generations": 2,
+        "max_completion_length": MAX_COMPLETION,
+        "epsilon": 0.1,
+        "loss_type": "dapo",
+        "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 2 * world,
+    }
     extra = {}
     cls = fixed_trainer_class(world, True)
     if mode == "odc":
         args.update(fsdp=True, fsdp_config={"version": 2})
         extra["odc"] = ODCGRPOConfig(max_tokens_per_microbatch=VLM_CAP)
         cls = odc_trainer(cls)
-    trainer = cls(model=V.build_model(), reward_funcs=reward, args=GRPOConfig(**args),
-                  train_dataset=vlm_dataset(), processing_class=vlm_processor(), **extra)
+    trainer = cls(
+        model=V.build_model(),
+        reward_funcs=reward,
+        args=GRPOConfig(**args),
+        train_dataset=vlm_dataset(),
+        processing_class=vlm_processor(),
+        **extra,
+    )
     trainer.train()
-    return {"params": full_params(trainer.model),
-            "logs": [h for h in trainer.state.log_history if "loss" in h],
-            "odc_steps": getattr(trainer, "odc_steps", None)}
+    return {
+        "params": full_params(trainer.model),
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "odc_steps": getattr(trainer, "odc_steps", None),
+    }
 
 
 def vlm_mixed_refusal() -> str | None:
@@ -312,15 +453,28 @@ def vlm_mixed_refusal() -> str | None:
     from torch_odc.integrations.hf import ODCGRPOConfig, odc_trainer
 
     rows = V.rows([1, 0, 1, 0], "grpo-vlm-mixed")
-    data = datasets.Dataset.from_dict({"prompt": [[r["messages"][0]] for r in rows],
-                                       "images": [r["images"] for r in rows]})
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="odc-grpo-vlm-"), use_cpu=True,
-                      report_to=[], per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=MAX_COMPLETION, bf16=False, fsdp=True,
-                      fsdp_config={"version": 2})
+    data = datasets.Dataset.from_dict(
+        {"prompt": [[r["messages"][0]] for r in rows], "images": [r["images"] for r in rows]}
+    )
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="odc-grpo-vlm-"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        bf16=False,
+        fsdp=True,
+        fsdp_config={"version": 2},
+    )
     trainer = odc_trainer(fixed_trainer_class(1, False))(
-        model=V.build_model(), reward_funcs=reward, args=args, train_dataset=data,
-        processing_class=vlm_processor(), odc=ODCGRPOConfig(max_tokens_per_microbatch=VLM_CAP))
+        model=V.build_model(),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=vlm_processor(),
+        odc=ODCGRPOConfig(max_tokens_per_microbatch=VLM_CAP),
+    )
     trainer.model.train()
     try:
         trainer._prepare_inputs([dict(data[i]) for i in range(4)])
@@ -369,19 +523,31 @@ def refusals() -> dict:
     from torch_odc.integrations.hf import ODCConfig, odc_trainer
 
     out = {}
-    for name, option in (("top_entropy_quantile", {"top_entropy_quantile": 0.5}),
-                         ("include_num_input_tokens_seen",
-                          {"include_num_input_tokens_seen": "all"}),
-                         ("fsdp", {"fsdp": "", "fsdp_config": None})):
-        args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "use_cpu": True,
-                "report_to": [], "per_device_train_batch_size": PER_DEVICE,
-                "num_generations": NUM_GEN, "max_completion_length": MAX_COMPLETION,
-                "fsdp": True, "fsdp_config": {"version": 2}, **option}
+    for name, option in (
+        ("top_entropy_quantile", {"top_entropy_quantile": 0.5}),
+        ("include_num_input_tokens_seen", {"include_num_input_tokens_seen": "all"}),
+        ("fsdp", {"fsdp": "", "fsdp_config": None}),
+    ):
+        args = {
+            "output_dir": tempfile.mkdtemp(prefix="odc-grpo-"),
+            "use_cpu": True,
+            "report_to": [],
+            "per_device_train_batch_size": PER_DEVICE,
+            "num_generations": NUM_GEN,
+            "max_completion_length": MAX_COMPLETION,
+            "fsdp": True,
+            "fsdp_config": {"version": 2},
+            **option,
+        }
         try:
             odc_trainer(GRPOTrainer)(
-                model=build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+                model=build_model(),
+                reward_funcs=reward,
+                args=GRPOConfig(**args),
                 train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
-                processing_class=tokenizer(), odc=ODCConfig(max_tokens_per_microbatch=CAP))
+                processing_class=tokenizer(),
+                odc=ODCConfig(max_tokens_per_microbatch=CAP),
+            )
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
@@ -394,14 +560,26 @@ def refusals() -> dict:
             out["pixel_values"] = torch.zeros(len(inputs), 3)
             return out
 
-    args = {"output_dir": tempfile.mkdtemp(prefix="odc-grpo-"), "use_cpu": True, "max_steps": 1,
-            "report_to": [], "per_device_train_batch_size": PER_DEVICE, "save_strategy": "no",
-            "num_generations": NUM_GEN, "max_completion_length": MAX_COMPLETION,
-            "fsdp": True, "fsdp_config": {"version": 2}}
+    args = {
+        "output_dir": tempfile.mkdtemp(prefix="odc-grpo-"),
+        "use_cpu": True,
+        "max_steps": 1,
+        "report_to": [],
+        "per_device_train_batch_size": PER_DEVICE,
+        "save_strategy": "no",
+        "num_generations": NUM_GEN,
+        "max_completion_length": MAX_COMPLETION,
+        "fsdp": True,
+        "fsdp_config": {"version": 2},
+    }
     trainer = odc_trainer(ExtraField)(
-        model=build_model(), reward_funcs=reward, args=GRPOConfig(**args),
+        model=build_model(),
+        reward_funcs=reward,
+        args=GRPOConfig(**args),
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts()}),
-        processing_class=tokenizer(), odc=ODCConfig(max_tokens_per_microbatch=CAP))
+        processing_class=tokenizer(),
+        odc=ODCConfig(max_tokens_per_microbatch=CAP),
+    )
     try:
         trainer.train()
         out["pixel_values"] = None
@@ -432,10 +610,19 @@ def gpu_runs():
     (ODC_CUDA_COLLECTIVES=gloo: NCCL refuses two ranks on one device)."""
     path = model_dir()
     with environ(ONE_GPU):
-        reference = run_ranks(1, _one_process, GPU_CASES, path, True, backend="gloo",
-                              timeout=600, cuda=True)[0]
-    odc = run_ranks(WORLD, _odc_ranks, GPU_CASES, path, True, timeout=900, cuda=True,
-                    env={"ODC_CUDA_COLLECTIVES": "gloo"})
+        reference = run_ranks(
+            1, _one_process, GPU_CASES, path, True, backend="gloo", timeout=600, cuda=True
+        )[0]
+    odc = run_ranks(
+        WORLD,
+        _odc_ranks,
+        GPU_CASES,
+        path,
+        True,
+        timeout=900,
+        cuda=True,
+        env={"ODC_CUDA_COLLECTIVES": "gloo"},
+    )
     return reference, odc
 
 
@@ -475,7 +662,11 @@ def test_grpo_vlm_with_odc_matches_unmodified_trl():
             for key, value in ref.items():
                 if key not in SKIP_KEYS:
                     assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (
-                        rank, key, got[key], value)
+                        rank,
+                        key,
+                        got[key],
+                        value,
+                    )
 
 
 def test_grpo_vlm_refuses_mixed_image_and_text_only_prompts():
@@ -496,8 +687,16 @@ def check(case, reference, odc):
         counts = [s["microbatches"] for s in steps]
         for s in steps:  # this rank's host seconds by part, one entry per microbatch it ran
             host = s["host_seconds"]
-            assert set(host) == {"free", "rows", "exchange", "restore", "weights",
-                                 "microbatches", "barrier", "metrics"}, host
+            assert set(host) == {
+                "free",
+                "rows",
+                "exchange",
+                "restore",
+                "weights",
+                "microbatches",
+                "barrier",
+                "metrics",
+            }, host
             assert len(host["microbatches"]) == s["microbatches"][rank], (host, s)
             assert all(v >= 0 for v in host["microbatches"]), host
             assert all(v >= 0 for k, v in host.items() if k != "microbatches"), host
@@ -521,26 +720,36 @@ def check(case, reference, odc):
                 assert [sum(m) for m in s["microbatch_padded_per_rank"]] == s["padded_per_rank"]
         if options.get("pad_to_multiple_of"):  # every microbatch rows x (prompt + completion)
             pad = options["pad_to_multiple_of"]
-            assert all(s["padded_tokens"] % pad == 0 and all(p % pad == 0
-                       for p in s["padded_per_rank"]) for s in steps), steps
+            assert all(
+                s["padded_tokens"] % pad == 0 and all(p % pad == 0 for p in s["padded_per_rank"])
+                for s in steps
+            ), steps
         assert_params_match(want, out, initial, rank, ATOL)
         assert len(out["logs"]) == len(want["logs"]) == STEPS
         # Losses within 1e-6 relative. On-policy GRPO losses cancel to ~0 (advantages sum to
         # zero per group, and are normalized to unit scale): there float32 resolves the sum of
         # unit-scale terms to ~1e-7 absolute, the floor of the comparison.
         for got, ref in zip(out["logs"], want["logs"], strict=True):
-            assert set(got) == set(ref), (sorted(set(got) ^ set(ref)))
+            assert set(got) == set(ref), sorted(set(got) ^ set(ref))
             for key, value in ref.items():
                 if key in SKIP_KEYS:
                     continue
                 if key == "loss":
                     assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (
-                        rank, key, got[key], value)
+                        rank,
+                        key,
+                        got[key],
+                        value,
+                    )
                 elif value is None:
                     assert got[key] is None, (rank, key, got[key])
                 else:
                     assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (
-                        rank, key, got[key], value)
+                        rank,
+                        key,
+                        got[key],
+                        value,
+                    )
 
 
 @pytest.mark.parametrize("multiple", [1, 8, 48, 64, 128])

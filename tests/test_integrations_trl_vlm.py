@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import tempfile
 import time
 
@@ -56,15 +55,21 @@ ALL_IMAGES = [1, 2, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 2]
 MIXED = [1, 0, 2, 0, 1, 0, 0, 1, 0, 2, 1, 0, 2, 0, 0, 1, 0, 1]
 # plan[step][rank]: microbatches as positions into the step's 6 rows; step 2 is LB-Mini's.
 FIXED_PLANS = {
-    0: [[[0, 2], [4]], [[1, 3, 5]]],        # rank 1: one text-only microbatch
-    1: [[], [[0, 2, 5], [1], [3, 4]]],      # rank 0: none; rank 1: text-only, image, image
+    0: [[[0, 2], [4]], [[1, 3, 5]]],  # rank 1: one text-only microbatch
+    1: [[], [[0, 2, 5], [1], [3, 4]]],  # rank 0: none; rank 1: text-only, image, image
 }
 WANT_COUNTS = [[2, 1], [0, 3]]
 CAP = {False: 120, True: 240}  # the mixed runs' explicit cap (SFT, DPO): tokens plus patches
 # The trainings of the launch, in order: SFT, then DPO (dpo_*).
-FAMILY = {"plain": "qwen2_vl", "images": "qwen2_vl", "mixed": "qwen2_vl",
-          "mixed25": "qwen2_5_vl", "dpo_plain": "qwen2_vl", "dpo_images": "qwen2_vl",
-          "dpo_mixed": "qwen2_vl"}
+FAMILY = {
+    "plain": "qwen2_vl",
+    "images": "qwen2_vl",
+    "mixed": "qwen2_vl",
+    "mixed25": "qwen2_5_vl",
+    "dpo_plain": "qwen2_vl",
+    "dpo_images": "qwen2_vl",
+    "dpo_mixed": "qwen2_vl",
+}
 DPO_LR = 2e-2
 BETA = 0.1  # DPOConfig's default beta (loss_type sigmoid)
 # fp32 on CPU: the same sums in another order. A microbatch lost, run twice, or a row's images
@@ -83,8 +88,9 @@ def expected_row(row) -> tuple[int, int, list[int]]:
     patches = []
     for image in row["images"]:
         w, h = image.size
-        rh, rw = smart_resize(h, w, factor=V.PATCH * V.MERGE, min_pixels=V.MIN_PIXELS,
-                              max_pixels=V.MAX_PIXELS)
+        rh, rw = smart_resize(
+            h, w, factor=V.PATCH * V.MERGE, min_pixels=V.MIN_PIXELS, max_pixels=V.MAX_PIXELS
+        )
         patches.append((rh // V.PATCH) * (rw // V.PATCH))
     words = sum(len(m["content"].split()) for m in row["messages"])
     return words + sum(2 + p // V.MERGE**2 for p in patches), sum(patches), patches
@@ -95,13 +101,18 @@ def expected_pair(pair) -> tuple[tuple[int, int], int]:
     its forward runs: the prompt's images with each of the two sequences."""
     prompt = {"images": pair["images"], "messages": pair["prompt"]}
     tokens, patches, _ = expected_row(prompt)
-    return ((tokens + len(pair["chosen"][0]["content"].split()),
-             tokens + len(pair["rejected"][0]["content"].split())), 2 * patches)
+    return (
+        (
+            tokens + len(pair["chosen"][0]["content"].split()),
+            tokens + len(pair["rejected"][0]["content"].split()),
+        ),
+        2 * patches,
+    )
 
 
 def _step_rows(dpo: bool, step: int):
     data = V.pairs(MIXED) if dpo else V.rows(MIXED)
-    return data[step * PER_STEP:(step + 1) * PER_STEP]
+    return data[step * PER_STEP : (step + 1) * PER_STEP]
 
 
 def planner(lengths, world, step, dpo=False):
@@ -130,8 +141,11 @@ def full_grads(model) -> dict:
     local = {}
     for n, p in model.named_parameters():
         g = p.grad
-        local[n] = None if g is None else (
-            g.to_local() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        local[n] = (
+            None
+            if g is None
+            else (g.to_local() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        )
     sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
     if not sharded:
         return local
@@ -165,46 +179,72 @@ def _train(kind: str, cuda: bool = False) -> dict:
     model = V.build_model(family)
     captured = []
     vision_calls = [0]
-    model.model.visual.register_forward_hook(lambda *_: vision_calls.__setitem__(
-        0, vision_calls[0] + 1))
+    model.model.visual.register_forward_hook(
+        lambda *_: vision_calls.__setitem__(0, vision_calls[0] + 1)
+    )
 
     class Capture(TrainerCallback):
         """After the barrier and the clipping, before the optimizer: the step's gradient, the
         parameters it was taken at, and this rank's vision forwards in the step."""
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            captured.append({"grads": full_grads(trainer.model),
-                             "params": full_params(trainer.model),
-                             "vision_calls": vision_calls[0]})
+            captured.append(
+                {
+                    "grads": full_grads(trainer.model),
+                    "params": full_params(trainer.model),
+                    "vision_calls": vision_calls[0],
+                }
+            )
             vision_calls[0] = 0
 
     args = (DPOConfig if dpo else SFTConfig)(
-        output_dir=tempfile.mkdtemp(prefix="odc-vlm-"), num_train_epochs=1,
-        learning_rate=DPO_LR if dpo else LR, max_grad_norm=MAX_GRAD_NORM[dpo],
-        optim="adamw_torch", weight_decay=0.01, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=not cuda, train_sampling_strategy="sequential", seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-        per_device_train_batch_size=PER_DEVICE, max_length=None,
-        **({"fsdp": True, "fsdp_config": {"version": 2}} if odc else {}))
+        output_dir=tempfile.mkdtemp(prefix="odc-vlm-"),
+        num_train_epochs=1,
+        learning_rate=DPO_LR if dpo else LR,
+        max_grad_norm=MAX_GRAD_NORM[dpo],
+        optim="adamw_torch",
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not cuda,
+        train_sampling_strategy="sequential",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=False,
+        per_device_train_batch_size=PER_DEVICE,
+        max_length=None,
+        **({"fsdp": True, "fsdp_config": {"version": 2}} if odc else {}),
+    )
     extra = {}
     if name == "images":
         extra["odc"] = ODCConfig()  # the defaults: LB-Mini, the derived cap
     elif mixed:
-        extra["odc"] = ODCConfig(max_tokens_per_microbatch=CAP[dpo],
-                                 planner=dpo_planner if dpo else planner)
+        extra["odc"] = ODCConfig(
+            max_tokens_per_microbatch=CAP[dpo], planner=dpo_planner if dpo else planner
+        )
     if dpo:  # a separate reference model: on CPU ranks an unsharded copy per rank
         extra["ref_model"] = V.build_model(family)
     base = DPOTrainer if dpo else SFTTrainer
     cls = odc_trainer(base) if odc else base
-    trainer = cls(model=model, args=args, train_dataset=data,
-                  processing_class=V.processor(family),
-                  callbacks=[Capture()], **extra)
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=V.processor(family),
+        callbacks=[Capture()],
+        **extra,
+    )
     start = time.perf_counter()
     trainer.train()
-    return {"params": full_params(trainer.model), "captured": captured,
-            "logs": [h for h in trainer.state.log_history if "loss" in h],
-            "odc_steps": getattr(trainer, "odc_steps", None),
-            "seconds": time.perf_counter() - start}
+    return {
+        "params": full_params(trainer.model),
+        "captured": captured,
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+        "odc_steps": getattr(trainer, "odc_steps", None),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _ranks(rank, world, kinds=None, cuda=False):
@@ -219,8 +259,10 @@ def _ranks(rank, world, kinds=None, cuda=False):
 def runs():
     start = time.perf_counter()
     out = run_ranks(WORLD, _ranks, timeout=600)
-    print(f"\n2-rank launch: {time.perf_counter() - start:.1f} s; trainings "
-          + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in out[0].items()))
+    print(
+        f"\n2-rank launch: {time.perf_counter() - start:.1f} s; trainings "
+        + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in out[0].items())
+    )
     return out
 
 
@@ -228,16 +270,18 @@ def runs():
 def gpu_runs():
     """The mixed Qwen2-VL SFT run on CUDA: 2 ranks on the first GPU (sharing it where there is
     one; Gloo for the trainer's few CUDA collectives there)."""
-    return run_ranks(WORLD, _ranks, ["mixed"], True, timeout=600, cuda=True,
-                     env={"ODC_CUDA_COLLECTIVES": "gloo"})
+    return run_ranks(
+        WORLD, _ranks, ["mixed"], True, timeout=600, cuda=True, env={"ODC_CUDA_COLLECTIVES": "gloo"}
+    )
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max((0.0 if x is None else (x - b[n]).abs().max().item()) for n, x in a.items())
 
 
-def _check_grads(got: dict, want: dict, where: str, rtol: float = GRAD_RTOL,
-                 atol: float = GRAD_ATOL) -> float:
+def _check_grads(
+    got: dict, want: dict, where: str, rtol: float = GRAD_RTOL, atol: float = GRAD_ATOL
+) -> float:
     assert set(got) == set(want)
     worst = 0.0
     for name, ref in want.items():
@@ -245,8 +289,9 @@ def _check_grads(got: dict, want: dict, where: str, rtol: float = GRAD_RTOL,
         assert (g is None) == (ref is None), (where, name, g is None, ref is None)
         if ref is None:
             continue
-        torch.testing.assert_close(g, ref, rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{where} {n}: {m}")
+        torch.testing.assert_close(
+            g, ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{where} {n}: {m}"
+        )
         worst = max(worst, (g - ref).abs().max().item())
     return worst
 
@@ -262,11 +307,17 @@ def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images(trai
         got = out[rank][prefix + "images"]
         assert len(got["captured"]) == len(plain["captured"]) == STEPS
         for s, (g, w) in enumerate(zip(got["captured"], plain["captured"], strict=True)):
-            worst_grad = max(worst_grad, _check_grads(g["grads"], w["grads"],
-                                                      f"rank {rank} step {s}"))
+            worst_grad = max(
+                worst_grad, _check_grads(g["grads"], w["grads"], f"rank {rank} step {s}")
+            )
         for name, ref in plain["params"].items():
-            torch.testing.assert_close(got["params"][name], ref, rtol=0, atol=PARAM_ATOL,
-                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(
+                got["params"][name],
+                ref,
+                rtol=0,
+                atol=PARAM_ATOL,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
         worst_param = max(worst_param, _max_diff(got["params"], plain["params"]))
         initial = {n: p.detach() for n, p in V.build_model().named_parameters()}
         assert _max_diff(plain["params"], initial) > 100 * PARAM_ATOL  # training moved them
@@ -277,12 +328,18 @@ def test_odc_equals_the_unmodified_trainer_when_every_microbatch_has_images(trai
                 # DPO's rewards and margins: differences of log-probs times beta, float32 to
                 # ~1e-6 absolute (as in test_integrations_trl_dpo.py).
                 assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-6 if dpo else 1e-7), (
-                    rank, key, mine[key], value)
+                    rank,
+                    key,
+                    mine[key],
+                    value,
+                )
         assert all(h["grad_norm"] > MAX_GRAD_NORM[dpo] for h in got["logs"])  # clipped
         check_frontier(got["odc_steps"], dpo)
-    print(f"{trainer} images vs unmodified TRL (2 ranks): max |grad diff| {worst_grad:.2e}, "
-          f"max |param diff| after {STEPS} steps {worst_param:.2e} (counts "
-          f"{[s['microbatches'] for s in out[0][prefix + 'images']['odc_steps']]})")
+    print(
+        f"{trainer} images vs unmodified TRL (2 ranks): max |grad diff| {worst_grad:.2e}, "
+        f"max |param diff| after {STEPS} steps {worst_param:.2e} (counts "
+        f"{[s['microbatches'] for s in out[0][prefix + 'images']['odc_steps']]})"
+    )
 
 
 def check_frontier(steps, dpo: bool):
@@ -297,9 +354,9 @@ def check_frontier(steps, dpo: bool):
         rows = [((t,), p) for t, p, _ in map(expected_row, V.rows(ALL_IMAGES))]
     points = []
     for s, record in enumerate(steps):
-        step = rows[s * PER_STEP:(s + 1) * PER_STEP]
+        step = rows[s * PER_STEP : (s + 1) * PER_STEP]
         for i in range(0, PER_STEP, PER_DEVICE):
-            group = step[i:i + PER_DEVICE]
+            group = step[i : i + PER_DEVICE]
             width = max(max(t) for t, _ in group)  # every sequence padded to the longest
             points.append((sum(len(t) for t, _ in group) * width, sum(p for _, p in group)))
         assert [tuple(p) for p in record["plain_frontier"]] == frontier(points), (s, record)
@@ -311,8 +368,7 @@ def check_frontier(steps, dpo: bool):
         assert sum(record["plain_patches_per_rank"]) == sum(p for _, p in step)
 
 
-def _reference_step(params: dict, rows: list, family: str, dpo: bool
-                    ) -> tuple[float, float, dict]:
+def _reference_step(params: dict, rows: list, family: str, dpo: bool) -> tuple[float, float, dict]:
     """One process, no ODC, no FSDP: the step's rows as one batch (TRL's vision collator), the
     loss from the model's own logits, the gradient clipped as torch.nn.utils.clip_grad_norm_
     clips. SFT: the model's own loss (the token mean over the step). DPO (sigmoid): the mean
@@ -325,8 +381,9 @@ def _reference_step(params: dict, rows: list, family: str, dpo: bool
     model = V.build_model(family)
     model.load_state_dict(params)
     model.train()
-    collator = (DataCollatorForVisionPreference if dpo
-                else DataCollatorForVisionLanguageModeling)(processor=V.processor(family))
+    collator = (DataCollatorForVisionPreference if dpo else DataCollatorForVisionLanguageModeling)(
+        processor=V.processor(family)
+    )
     batch = collator(rows)
     if dpo:
         mask = batch.pop("completion_mask")[:, 1:]
@@ -344,12 +401,16 @@ def _reference_step(params: dict, rows: list, family: str, dpo: bool
     else:
         loss = model(**batch).loss
     loss.backward()
-    grads = {n: None if p.grad is None else p.grad.detach().clone()
-             for n, p in model.named_parameters()}
+    grads = {
+        n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()
+    }
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values() if g is not None))
     coef = min(1.0, MAX_GRAD_NORM[dpo] / (norm + 1e-6))
-    return float(loss.detach()), norm, {n: None if g is None else g * coef
-                                        for n, g in grads.items()}
+    return (
+        float(loss.detach()),
+        norm,
+        {n: None if g is None else g * coef for n, g in grads.items()},
+    )
 
 
 @pytest.mark.parametrize("kind", ["mixed", "mixed25", "dpo_mixed"])
@@ -367,8 +428,12 @@ def test_gpu_mixed_image_and_text_only_microbatches_equal_one_process():
 def _check_mixed(out, kind: str, rtol: float = GRAD_RTOL, atol: float = GRAD_ATOL) -> None:
     dpo = kind.startswith("dpo_")
     worst = 0.0
-    refs = [_reference_step(out[0][kind]["captured"][s]["params"], _step_rows(dpo, s),
-                            FAMILY[kind], dpo) for s in range(STEPS)]
+    refs = [
+        _reference_step(
+            out[0][kind]["captured"][s]["params"], _step_rows(dpo, s), FAMILY[kind], dpo
+        )
+        for s in range(STEPS)
+    ]
     for rank in range(WORLD):
         got = out[rank][kind]
         counts = [s["microbatches"] for s in got["odc_steps"]]
@@ -387,15 +452,20 @@ def _check_mixed(out, kind: str, rtol: float = GRAD_RTOL, atol: float = GRAD_ATO
             cap = got["captured"][s]
             if rank:  # both ranks took the step at the same parameters
                 assert _max_diff(cap["params"], out[0][kind]["captured"][s]["params"]) == 0
-            worst = max(worst, _check_grads(cap["grads"], ref, f"rank {rank} step {s}",
-                                            rtol, atol))
+            worst = max(worst, _check_grads(cap["grads"], ref, f"rank {rank} step {s}", rtol, atol))
             assert got["logs"][s]["loss"] == pytest.approx(loss, rel=max(1e-6, rtol / 10)), (
-                rank, s)
+                rank,
+                s,
+            )
             assert got["logs"][s]["grad_norm"] == pytest.approx(norm, rel=max(1e-5, rtol)), (
-                rank, s)
+                rank,
+                s,
+            )
             assert norm > MAX_GRAD_NORM[dpo]
-    print(f"{kind} ({FAMILY[kind]}) vs one process: max |grad diff| {worst:.2e} over {STEPS} "
-          f"steps (counts {[s['microbatches'] for s in out[0][kind]['odc_steps']]})")
+    print(
+        f"{kind} ({FAMILY[kind]}) vs one process: max |grad diff| {worst:.2e} over {STEPS} "
+        f"steps (counts {[s['microbatches'] for s in out[0][kind]['odc_steps']]})"
+    )
 
 
 # -- the planning pieces, without ranks ---------------------------------------------------------
@@ -424,22 +494,34 @@ def test_the_derived_cap_with_images_is_a_frontier():
     assert fits(10, 10) and not fits(10, 10, 1)  # a token cap: rows without images
     # Rows (tokens, patches): padded to the longest, patches added.
     rows = {0: (4, 0), 1: (4, 8), 2: (2, 4), 3: (2, 0)}
-    packed = pack_padded(list(rows), lambda i: (1, (rows[i][0],)), lambda d: d[0], [(8, 8)],
-                         lambda i: rows[i][1])
+    packed = pack_padded(
+        list(rows), lambda i: (1, (rows[i][0],)), lambda d: d[0], [(8, 8)], lambda i: rows[i][1]
+    )
     assert sorted(map(sorted, packed)) == [[0, 1], [2, 3]]  # 2 x 4 tokens and 8 patches, ...
     for mb in packed:
         assert fits([(8, 8)], len(mb) * max(rows[i][0] for i in mb), sum(rows[i][1] for i in mb))
 
 
-@pytest.mark.parametrize("field", ["image_sizes", "pixel_attention_mask", "token_type_ids",
-                                   "pixel_values_videos", "video_grid_thw"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "image_sizes",
+        "pixel_attention_mask",
+        "token_type_ids",
+        "pixel_values_videos",
+        "video_grid_thw",
+    ],
+)
 def test_another_families_vision_field_is_refused_by_name(field):
     from torch_odc.integrations.hf import _vision
 
-    batch = {"input_ids": torch.ones(1, 5, dtype=torch.long),
-             "attention_mask": torch.ones(1, 5, dtype=torch.long),
-             "pixel_values": torch.zeros(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]]),
-             field: torch.zeros(1, 2)}
+    batch = {
+        "input_ids": torch.ones(1, 5, dtype=torch.long),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "pixel_values": torch.zeros(16, 96),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        field: torch.zeros(1, 2),
+    }
     with pytest.raises(ValueError, match=f"'{field}', a vision-language field ODC does not plan"):
         _vision.row_sizes(batch, "test")
 
@@ -447,14 +529,23 @@ def test_another_families_vision_field_is_refused_by_name(field):
 def test_dense_pixel_values_are_refused_by_name():
     from torch_odc.integrations.hf import _vision
 
-    batch = {"input_ids": torch.ones(1, 5, dtype=torch.long),
-             "pixel_values": torch.zeros(1, 3, 8, 8)}
+    batch = {
+        "input_ids": torch.ones(1, 5, dtype=torch.long),
+        "pixel_values": torch.zeros(1, 3, 8, 8),
+    }
     with pytest.raises(ValueError, match="'pixel_values' without 'image_grid_thw'"):
         _vision.row_sizes(batch, "test")
-    assert _vision.row_sizes({"input_ids": torch.ones(1, 5, dtype=torch.long),
-                              "pixel_values": torch.zeros(20, 96),
-                              "image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]])},
-                             "test") == (5, (4, 16))
+    assert _vision.row_sizes(
+        {
+            "input_ids": torch.ones(1, 5, dtype=torch.long),
+            "pixel_values": torch.zeros(20, 96),
+            "image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]]),
+        },
+        "test",
+    ) == (5, (4, 16))
     with pytest.raises(RuntimeError, match="are not its rows'"):
-        _vision.check_microbatch({"pixel_values": torch.zeros(16, 96),
-                                  "image_grid_thw": torch.tensor([[1, 4, 4]])}, [4, 12], "test")
+        _vision.check_microbatch(
+            {"pixel_values": torch.zeros(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])},
+            [4, 12],
+            "test",
+        )

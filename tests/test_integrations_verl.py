@@ -41,18 +41,28 @@ from verl_env import ROOT, run_under_verl
 # Logged values that are the same however each rank cuts its rows into microbatches (verl
 # normalizes them by the whole mini-batch); the MEAN ones (pg_clipfrac, ppo_kl, vf_clipfrac,
 # vpred_mean: means of per-microbatch means) depend on the cut, in verl itself too.
-INVARIANT = ("loss", "grad_norm", "lr", "actor/pg_loss", "actor/entropy_loss", "kl_loss",
-             "critic/vf_loss")
+INVARIANT = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "actor/pg_loss",
+    "actor/entropy_loss",
+    "kl_loss",
+    "critic/vf_loss",
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    found = run_under_verl("verl_cases.py", tmp_path_factory.mktemp("verl") / "runs.json",
-                           timeout=1800)
+    found = run_under_verl(
+        "verl_cases.py", tmp_path_factory.mktemp("verl") / "runs.json", timeout=1800
+    )
     timings = {**found["ranks"][0]["timings"], **found["four_ranks"][0]["timings"]}
-    print(f"verl runs: {found['wall_s']:.1f} s "
-          f"{ {k: round(v, 1) for k, v in found['launch_wall_s'].items()} }, "
-          f"{found['versions']}, per run { {k: round(v, 1) for k, v in timings.items()} }")
+    print(
+        f"verl runs: {found['wall_s']:.1f} s "
+        f"{ {k: round(v, 1) for k, v in found['launch_wall_s'].items()} }, "
+        f"{found['versions']}, per run { {k: round(v, 1) for k, v in timings.items()} }"
+    )
     return found
 
 
@@ -65,28 +75,36 @@ def _compare(found, name: str, reference: str, all_metrics_calls=()) -> list[lis
     counts of each step per rank."""
     for rank in found["ranks"]:
         ref, odc = rank[reference], rank[name]
-        worst = max(abs(x - y) for key in ref["params"]
-                    for x, y in zip(ref["params"][key], odc["params"][key]))
+        worst = max(
+            abs(x - y)
+            for key in ref["params"]
+            for x, y in zip(ref["params"][key], odc["params"][key])
+        )
         assert worst < 1e-6, f"{name}: parameters differ from verl's by {worst}"
         for call, (a, b) in enumerate(zip(ref.get("forward", []), odc.get("forward", []))):
             if a is None:  # an SP rank other than its group's first: verl returns nothing
                 assert b is None, (name, call)
                 continue
-            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, \
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (
                 f"{name}: forward-only pass {call} (old log-probs / values) differs from verl's"
+            )
         assert len(ref["metrics"]) == len(odc["metrics"])
         for call, (logged_ref, logged_odc) in enumerate(zip(ref["metrics"], odc["metrics"])):
             if logged_ref is None:  # likewise
                 assert logged_odc is None, (name, call)
                 continue
             assert set(logged_ref) == set(logged_odc), (name, call)
-            keys = set(logged_ref) if call in all_metrics_calls else \
-                {k for k in logged_ref if k in INVARIANT}
+            keys = (
+                set(logged_ref)
+                if call in all_metrics_calls
+                else {k for k in logged_ref if k in INVARIANT}
+            )
             assert keys & set(INVARIANT), (name, call)
             for key in sorted(keys):
                 a, b = logged_ref[key], logged_odc[key]
-                assert len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b)), \
+                assert len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b)), (
                     f"{name} call {call} {key}: verl logged {a}, ODC {b}"
+                )
     return [[s["microbatches"] for s in rank[name]["steps"]] for rank in found["ranks"]]
 
 
@@ -199,7 +217,7 @@ def test_vlm_lb_mini_moves_rows_with_their_images(runs):
             assert s["cost"] == s["tokens"] + s["patches"], s
     # Every row's patches arrived somewhere: each step's patches over the ranks are the rows'.
     for step, (call, half) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
-        rows = [r for rank in calls()[call] for r in rank[2 * half:2 * half + 2]]
+        rows = [r for rank in calls()[call] for r in rank[2 * half : 2 * half + 2]]
         assert sum(rank[step]["patches"] for rank in steps) == sum(map(patches, rows))
         assert sum(rank[step]["tokens"] for rank in steps) == sum(map(tokens, rows))
     for rank in runs["ranks"]:
@@ -228,9 +246,12 @@ def _four(runs) -> dict:
 
 
 def _params_within(runs, name: str, reference: str, bound: float = 1e-6) -> float:
-    worst = max(abs(x - y) for rank in runs["four_ranks"]
-                for key in rank[reference]["params"]
-                for x, y in zip(rank[reference]["params"][key], rank[name]["params"][key]))
+    worst = max(
+        abs(x - y)
+        for rank in runs["four_ranks"]
+        for key in rank[reference]["params"]
+        for x, y in zip(rank[reference]["params"][key], rank[name]["params"][key])
+    )
     assert worst < bound, f"{name}: parameters differ from {reference}'s by {worst}"
     return worst
 
@@ -245,8 +266,11 @@ def test_fsdp_size_2_of_4_is_hsdp_over_odc_and_equals_verl(runs):
         ref, odc = found["hsdp_ref"]["mesh"], found["hsdp_odc"]["mesh"]
         assert odc["names"] == ["ddp", "fsdp"] and odc["shape"] == [2, 2], odc
         assert odc["backends"] == ["OdcBackend", "OdcBackend"], odc
-        assert odc["groups"] == ref["groups"] == [[rank % 2, rank % 2 + 2],
-                                                  [rank - rank % 2, rank - rank % 2 + 1]], odc
+        assert (
+            odc["groups"]
+            == ref["groups"]
+            == [[rank % 2, rank % 2 + 2], [rank - rank % 2, rank - rank % 2 + 1]]
+        ), odc
 
 
 def test_ulysses_sp_groups_run_their_own_counts_and_equal_verl(runs):
@@ -282,8 +306,7 @@ def test_ulysses_sp_with_lb_mini_and_inside_verls_2d_mesh(runs):
     # LB-Mini over the 2 DP ranks (each SP group's ranks move the same rows), and SP with
     # fsdp_size=2 (shard groups = SP groups, replicas across them): both equal verl's sp=2.
     _compare(_four(runs), "sp_mini_odc", "sp_ref")
-    moved = [[s["received"] for s in found["sp_mini_odc"]["steps"]]
-             for found in runs["four_ranks"]]
+    moved = [[s["received"] for s in found["sp_mini_odc"]["steps"]] for found in runs["four_ranks"]]
     assert any(any(r) for r in moved), moved
     assert moved[0] == moved[1] and moved[2] == moved[3], moved  # SP peers: the same rows
     counts = _compare(_four(runs), "sp_hsdp_odc", "sp_ref", all_metrics_calls=(1,))

@@ -40,8 +40,13 @@ def _odc_shm_names():
         (2, (BF16, FP32), True, True, 1e-3),
         (4, (BF16, BF16), False, False, 1e-3),
     ],
-    ids=["w2-fp32", "w4-fp32-noreshard-emptyroot", "w4-fp32", "w2-bf16p-fp32r-emptyroot",
-         "w4-bf16p-bf16r-noreshard"],
+    ids=[
+        "w2-fp32",
+        "w4-fp32-noreshard-emptyroot",
+        "w4-fp32",
+        "w2-bf16p-fp32r-emptyroot",
+        "w4-bf16p-bf16r-noreshard",
+    ],
 )
 def test_odc_training_matches_single_process_reference(
     world, mp, reshard_after_forward, root_without_params, atol
@@ -55,8 +60,13 @@ def test_odc_training_matches_single_process_reference(
     for rank, (params, stats, _) in enumerate(results):
         moved, err2, upd2 = 0.0, 0.0, 0.0
         for name, ref in want.items():
-            torch.testing.assert_close(params[name], ref, rtol=0, atol=atol,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                params[name],
+                ref,
+                rtol=0,
+                atol=atol,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
             moved = max(moved, (ref - init[name]).abs().max().item())
             err2 += ((params[name] - ref) ** 2).sum().item()
             upd2 += ((ref - init[name]) ** 2).sum().item()
@@ -84,8 +94,13 @@ def test_parameters_replaced_between_minibatches_train_exactly_through_the_cpp_p
     want = reference(plan, False, LR)
     for rank, (params, stats, _) in enumerate(results):
         for name, ref in want.items():
-            torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                params[name],
+                ref,
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
         assert stats["fast_push"] and all(stats["fast_push"]), stats["fast_push"]
         assert stats["fast_params_current"]
 
@@ -94,8 +109,7 @@ def test_local_shards_join_to_the_reference():
     """What the compute-sanitizer flow relies on: each rank's dim-0 shards, joined in rank
     order, are the full parameters (no all-gather needed to check a run)."""
     plan = PLANS[4]
-    got = join_shards(run_ranks(4, train_odc, plan, False, None, True, LR, None, "cpu", True,
-                                True))
+    got = join_shards(run_ranks(4, train_odc, plan, False, None, True, LR, None, "cpu", True, True))
     want = reference(plan, False, LR)
     assert got.keys() == want.keys()
     for name, ref in want.items():
@@ -270,7 +284,10 @@ def _wrong_calls(rank, world):
     errors = {}
     cases = {
         "size": (torch.empty(world * (numel + 1)), torch.zeros(numel + 1)),
-        "dtype": (torch.empty(world * numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)),
+        "dtype": (
+            torch.empty(world * numel, dtype=torch.float64),
+            torch.zeros(numel, dtype=torch.float64),
+        ),
     }
     for name, (out, inp) in cases.items():
         _C._set_keyed_call(0)
@@ -311,35 +328,42 @@ def test_odc_operations_are_profiler_ranges():
     assert "odc::reduce_scatter_call" in names[0] and "odc::unit_pre_forward" in names[0]
     for rank_names in names:
         # odc::barrier_release runs when a rank enters the next minibatch (not profiled here).
-        assert {"odc::minibatch_barrier", "odc::barrier_arrive", "odc::wait_device",
-                "odc::wait_peers", "odc::publish_shards"} <= set(rank_names), rank_names
+        assert {
+            "odc::minibatch_barrier",
+            "odc::barrier_arrive",
+            "odc::wait_device",
+            "odc::wait_peers",
+            "odc::publish_shards",
+        } <= set(rank_names), rank_names
     # Rank 0 ran a forward (eager publish at its first); rank 1 ran none, so it published in
     # the barrier instead.
     assert "odc::publish_all" in names[0] and "odc::publish_all" not in names[1], names
-
 
 
 def _direct_keyed_calls(rank, world):
     import torch_odc
 
     b = torch_odc.odc_backend()
-    b._connect_engine([("a", 8, "bfloat16", [8], "float32"), ("b", 4, "float32", [4], "float32")],
-                      device_index=-1)
+    b._connect_engine(
+        [("a", 8, "bfloat16", [8], "float32"), ("b", 4, "float32", [4], "float32")], device_index=-1
+    )
     out = {}
     try:
         shard = torch.arange(8, dtype=FP32) / 3 + 100 * rank  # not exact in bf16: the cast
         # One publish of both keys from their parameters' tensors (key "a" as two pieces, cast
         # to its bf16 gather dtype by the copy); key "a" listed twice is copied once.
         out["published"] = b._publish_shards(
-            [0, 1, 0], [[shard[:3], shard[3:]], [torch.full((4,), float(rank))], [shard]])
+            [0, 1, 0], [[shard[:3], shard[3:]], [torch.full((4,), float(rank))], [shard]]
+        )
         out["again"] = b._publish_shards([0, 1], [[shard], [torch.zeros(4)]])
         gathered = torch.empty(world * 8, dtype=BF16)
-        own = gathered[rank * 8:(rank + 1) * 8]
+        own = gathered[rank * 8 : (rank + 1) * 8]
         own.copy_(shard)
         out["sync_work"] = b._keyed_all_gather(0, gathered, own)
         out["gathered"] = gathered
-        out["async_work"] = type(b._keyed_all_gather(1, torch.empty(world * 4),
-                                                     torch.full((4,), float(rank)), True)).__name__
+        out["async_work"] = type(
+            b._keyed_all_gather(1, torch.empty(world * 4), torch.full((4,), float(rank)), True)
+        ).__name__
         # Pushes: SUM (the output is zeros until the barrier), PREMUL_SUM with a factor on top,
         # AVG.
         rs_in = torch.arange(world * 8, dtype=FP32)
@@ -373,8 +397,9 @@ def test_direct_keyed_calls_and_one_publish_of_many_keys():
     op; wrong shards are refused naming the key."""
     world = 2
     outs = run_ranks(world, _direct_keyed_calls)
-    want_gather = torch.cat([(torch.arange(8, dtype=FP32) / 3 + 100 * r).to(BF16)
-                             for r in range(world)])
+    want_gather = torch.cat(
+        [(torch.arange(8, dtype=FP32) / 3 + 100 * r).to(BF16) for r in range(world)]
+    )
     for rank, out in enumerate(outs):
         assert out["published"] == [0, 1] and out["again"] == [], out
         assert out["sync_work"] is None and out["async_work"] == "Work", out

@@ -28,8 +28,13 @@ def odc_segments() -> list[str]:
     import re
 
     with open("/proc/self/maps") as f:
-        return sorted({line.split()[5] for line in f
-                       if len(line.split()) > 5 and re.search(r"/odc-[0-9]", line.split()[5])})
+        return sorted(
+            {
+                line.split()[5]
+                for line in f
+                if len(line.split()) > 5 and re.search(r"/odc-[0-9]", line.split()[5])
+            }
+        )
 
 
 def _train(rank, world, switch, device="cpu"):
@@ -105,8 +110,9 @@ def _train(rank, world, switch, device="cpu"):
     out["mapped_after_restore"] = bool(odc_segments())
     out["fast_push"] = [k.fast_push for k in handle._keys if any(k.grad_numels)]
     out["region_bytes_attached"] = torch_odc.stats()[0]["region_bytes"]
-    out["params"] = {k: v.full_tensor().detach().float().cpu()
-                     for k, v in model.state_dict().items()}
+    out["params"] = {
+        k: v.full_tensor().detach().float().cpu() for k, v in model.state_dict().items()
+    }
     handle.detach()
     return out
 

@@ -25,8 +25,11 @@ def _capture(model) -> tuple[dict, list]:
     hooks = []
     for name, module in model.named_modules():
         if isinstance(getattr(module, "weight", None), torch.Tensor):
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, _, n=name: seen.__setitem__(n, m.weight.detach().clone())))
+            hooks.append(
+                module.register_forward_pre_hook(
+                    lambda m, _, n=name: seen.__setitem__(n, m.weight.detach().clone())
+                )
+            )
     return seen, hooks
 
 
@@ -39,8 +42,9 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign, device="cpu"):
 
     import torch_odc
 
-    model = sharded_model(world, device,
-                          mp_policy=MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=FP32))
+    model = sharded_model(
+        world, device, mp_policy=MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=FP32)
+    )
     dev = next(model.parameters()).device
     handle = torch_odc.attach(model) if odc else None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -49,8 +53,9 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign, device="cpu"):
         if mb == 1 and reassign:
             # Every parameter object replaced (FSDP2 re-pads them at its next lazy init): they
             # move into the cache again at the next publish.
-            model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()},
-                                  assign=True)
+            model.load_state_dict(
+                {k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True
+            )
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
         seen, hooks = _capture(model)
         loss = loss_of(model, samples(mb, world)[rank].to(dev))
@@ -62,8 +67,9 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign, device="cpu"):
         if odc:
             torch_odc.minibatch_barrier()
         if mb == 1:
-            out["full"] = {n: p.full_tensor().detach().to(mp_dtype).cpu()
-                           for n, p in model.named_parameters()}
+            out["full"] = {
+                n: p.full_tensor().detach().to(mp_dtype).cpu() for n, p in model.named_parameters()
+            }
             if odc:
                 out["memory"] = torch_odc.stats()[0]["memory"]
         opt.step()
@@ -74,9 +80,11 @@ def _weights_seen(rank, world, mp_dtype, odc, reassign, device="cpu"):
     return out
 
 
-@pytest.mark.parametrize("mp_dtype,world,reassign", [(BF16, 2, False), (FP16, 4, False),
-                                                      (BF16, 4, True)],
-                         ids=["bf16-w2", "fp16-w4", "bf16-w4-replaced"])
+@pytest.mark.parametrize(
+    "mp_dtype,world,reassign",
+    [(BF16, 2, False), (FP16, 4, False), (BF16, 4, True)],
+    ids=["bf16-w2", "fp16-w4", "bf16-w4-replaced"],
+)
 def test_gathered_weights_are_fsdp2s_bit_for_bit(mp_dtype, world, reassign):
     odc = run_ranks(world, _weights_seen, mp_dtype, True, reassign)
     plain = run_ranks(world, _weights_seen, mp_dtype, False, reassign, backend="gloo")
@@ -95,8 +103,10 @@ def test_gathered_weights_are_fsdp2s_bit_for_bit(mp_dtype, world, reassign):
         assert memory["published_cache_bytes"] == 0 and memory["parameter_bytes"] > 0, memory
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
-                    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch_odc._C._has_cuda_transport(),
+    reason="needs a CUDA GPU (two ranks may share it) and a CUDA build",
+)
 @pytest.mark.parametrize("mp_dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_gpu_gathered_weights_are_torchs_rounding_bit_for_bit(mp_dtype):
     """The CUDA transport's narrowing gather kernel: what each layer computes with is torch's
@@ -105,8 +115,9 @@ def test_gpu_gathered_weights_are_torchs_rounding_bit_for_bit(mp_dtype):
     from odc_training import make_model
 
     initial = {n: p.detach().to(mp_dtype) for n, p in make_model(False).named_parameters()}
-    for rank, out in enumerate(run_ranks(2, _weights_seen, mp_dtype, True, False, "cuda",
-                                         cuda=True)):
+    for rank, out in enumerate(
+        run_ranks(2, _weights_seen, mp_dtype, True, False, "cuda", cuda=True)
+    ):
         for name, w in out["weights"][0].items():
             assert w.dtype == mp_dtype and torch.equal(w, initial[f"{name}.weight"]), (rank, name)
         for name, w in out["weights"][1].items():

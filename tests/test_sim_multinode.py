@@ -14,15 +14,22 @@ import sim_multinode as sim
 from workloads import long_context, rl_like
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
-COST = sim.time_cost({"floor_s": 0.5, "dense_flops_per_s": 4.4e14,
-                      "attention_flops_per_s": 2.8e14}, "7b", 1)
+COST = sim.time_cost(
+    {"floor_s": 0.5, "dense_flops_per_s": 4.4e14, "attention_flops_per_s": 2.8e14}, "7b", 1
+)
 MODEL = sim.model_of("7b")
 SCHEMES = ("fsdp2_every", "fsdp2_once", "odc", "odc_overlap", "odc_full")
 
 
 def machine(nodes=2, gpus=4, link=50.0, nvlink=300.0, barrier=0.01, latency=10e-6):
-    return sim.Machine(nodes=nodes, gpus_per_node=gpus, link_gbs=link, nvlink_gbs=nvlink,
-                       barrier_s=barrier, link_latency_s=latency)
+    return sim.Machine(
+        nodes=nodes,
+        gpus_per_node=gpus,
+        link_gbs=link,
+        nvlink_gbs=nvlink,
+        barrier_s=barrier,
+        link_latency_s=latency,
+    )
 
 
 def draw(workload, n, seed):
@@ -105,9 +112,27 @@ def test_validation_against_the_committed_7b_run():
 
 def test_main_writes_the_projection(tmp_path):
     out = tmp_path / "proj"
-    sim.main(["--nodes", "1,2", "--gpus-per-node", "2", "--link-gbs", "25,50",
-              "--seqs-per-rank", "2", "--draws", "2", "--workloads", "long-context,rl",
-              "--results", RESULTS, "--out", str(out), "--no-plot"])
+    sim.main(
+        [
+            "--nodes",
+            "1,2",
+            "--gpus-per-node",
+            "2",
+            "--link-gbs",
+            "25,50",
+            "--seqs-per-rank",
+            "2",
+            "--draws",
+            "2",
+            "--workloads",
+            "long-context,rl",
+            "--results",
+            RESULTS,
+            "--out",
+            str(out),
+            "--no-plot",
+        ]
+    )
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["assumptions"] and data["calibrations"]["7b"]["calibration_check"]["microbatches"]
     assert len(data["rows"]) == 2 * (1 + 2)  # workloads x (one node + two links)

@@ -48,13 +48,17 @@ def _stub_members(body) -> dict[str, ast.AST]:
 
 def _binding_members(obj, boilerplate) -> dict[str, object]:
     names = dir(obj) if isinstance(obj, type(sys)) else list(vars(obj))
-    return {n: getattr(obj, n) if isinstance(obj, type(sys)) else vars(obj)[n]
-            for n in names if n not in boilerplate}
+    return {
+        n: getattr(obj, n) if isinstance(obj, type(sys)) else vars(obj)[n]
+        for n in names
+        if n not in boilerplate
+    }
 
 
 def _is_property(node: ast.AST) -> bool:
     return isinstance(node, ast.FunctionDef) and any(
-        isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
+        isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list
+    )
 
 
 def _split_top(text: str) -> list[str]:
@@ -82,13 +86,13 @@ def _bound_args(name: str, fn) -> list[tuple[str, bool]]:
     assert doc.startswith(name + "("), f"{name}: no pybind11 signature line in {doc[:80]!r}"
     assert "Overloaded function" not in doc.split("\n", 1)[0], f"{name}: overloads"
     depth, end = 0, None
-    for i, ch in enumerate(doc[len(name):], start=len(name)):
+    for i, ch in enumerate(doc[len(name) :], start=len(name)):
         depth += ch in "([{"
         depth -= ch in ")]}"
         if depth == 0:
             end = i
             break
-    inner = doc[len(name) + 1:end]
+    inner = doc[len(name) + 1 : end]
     out = []
     for part in _split_top(inner):
         arg = part.split(":", 1)[0].strip()
@@ -116,7 +120,8 @@ def _stub_args(node: ast.FunctionDef, method: bool) -> tuple[list[tuple[str, boo
 
 def _check_callable(where: str, name: str, bound, node: ast.AST, method: bool):
     assert isinstance(node, ast.FunctionDef) and not _is_property(node), (
-        f"{where}{name} is a function in the binding, not in _C.pyi")
+        f"{where}{name} is a function in the binding, not in _C.pyi"
+    )
     want = _bound_args(name, bound)
     got, posonly = _stub_args(node, method)
     assert got == want, f"{where}{name}: bound as {want}, the stub says {got}"
@@ -173,8 +178,14 @@ def test_package_data_ships_the_stub_and_the_marker(tmp_path):
     compiles nothing."""
     out = subprocess.run(
         [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for name in ("_C.pyi", "py.typed", "__init__.py"):
         assert (tmp_path / "torch_odc" / name).is_file(), sorted(
-            p.name for p in (tmp_path / "torch_odc").iterdir())
+            p.name for p in (tmp_path / "torch_odc").iterdir()
+        )

@@ -16,6 +16,7 @@ sequence parallelism (dp 2 x sp 2; on CPU through the shims of install_cpu_ulyss
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import sys
@@ -30,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB = 96
 MAX_TOKENS = 48  # max_token_len_per_gpu
-PROMPT = 4       # prompt width (left-padded)
-RESPONSE = 24    # response width (right-padded)
+PROMPT = 4  # prompt width (left-padded)
+RESPONSE = 24  # response width (right-padded)
 
 
 def _critic_classes():
@@ -57,12 +58,14 @@ def _critic_classes():
         def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
             if attn_implementation == "flash_attention_2":
                 attn_implementation = "eager"
-            return super()._check_and_adjust_attn_implementation(attn_implementation, *args,
-                                                                 **kwargs)
+            return super()._check_and_adjust_attn_implementation(
+                attn_implementation, *args, **kwargs
+            )
 
     AutoConfig.register(CPUCriticConfig.model_type, CPUCriticConfig)
-    AutoModel.register(CPUCriticConfig, type("CPUCriticBase", (Qwen2Model,),
-                                             {"config_class": CPUCriticConfig}))
+    AutoModel.register(
+        CPUCriticConfig, type("CPUCriticBase", (Qwen2Model,), {"config_class": CPUCriticConfig})
+    )
     AutoModelForTokenClassification.register(CPUCriticConfig, CPUCriticModel)
     return CPUCriticConfig
 
@@ -74,10 +77,19 @@ def build_model(path: str, critic: bool = False) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = (CPUCriticConfig if critic else Qwen2Config)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = (CPUCriticConfig if critic else Qwen2Config)(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     if critic:
         config.num_labels = 1
@@ -107,15 +119,17 @@ def make_batch(responses: list[int], seed: int, critic: bool = False):
     responses_t = torch.zeros(n, RESPONSE, dtype=torch.long)
     attention = torch.zeros(n, PROMPT + RESPONSE, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompt_lens.tolist(), responses)):
-        prompts[i, PROMPT - p:] = torch.randint(3, VOCAB, (p,), generator=g)
+        prompts[i, PROMPT - p :] = torch.randint(3, VOCAB, (p,), generator=g)
         responses_t[i, :r] = torch.randint(3, VOCAB, (r,), generator=g)
-        attention[i, PROMPT - p:PROMPT + r] = 1
+        attention[i, PROMPT - p : PROMPT + r] = 1
     response_mask = attention[:, PROMPT:].clone()
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     fields = {
-        "prompts": prompts, "responses": responses_t,
+        "prompts": prompts,
+        "responses": responses_t,
         "input_ids": torch.cat([prompts, responses_t], dim=1),
-        "attention_mask": attention, "position_ids": position_ids,
+        "attention_mask": attention,
+        "position_ids": position_ids,
         "response_mask": response_mask,
     }
     noise = torch.randn(n, RESPONSE, generator=g)
@@ -156,16 +170,23 @@ def make_worker(strategy: str, critic: bool, model_path: str, lr: float, **odc):
 
     from torch_odc.integrations.verl import ODCEngineConfig
 
-    common = {**dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
-                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                      "buffer_dtype": "fp32"},
-                     use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKENS,
-                     infer_max_token_len_per_gpu=MAX_TOKENS), **odc.pop("engine", {})}
-    model = {"use_remove_padding": False, "override_config": {"attn_implementation": "eager"},
-             **odc.pop("model", {})}
+    common = {
+        "strategy": strategy,
+        "model_dtype": "fp32",
+        "use_torch_compile": False,
+        "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": MAX_TOKENS,
+        "infer_max_token_len_per_gpu": MAX_TOKENS,
+        **odc.pop("engine", {}),
+    }
+    model = {
+        "use_remove_padding": False,
+        "override_config": {"attn_implementation": "eager"},
+        **odc.pop("model", {}),
+    }
     optim = {"optimizer": "SGD", "lr": lr, "weight_decay": 0.0, **odc.pop("optim", {})}
-    engine = (ODCEngineConfig(**common, **odc) if strategy == "odc"
-              else FSDPEngineConfig(**common))
+    engine = ODCEngineConfig(**common, **odc) if strategy == "odc" else FSDPEngineConfig(**common)
     config = TrainingWorkerConfig(
         model_type="value_model" if critic else "language_model",
         model_config=HFModelConfig(path=model_path, load_tokenizer=False, **model),
@@ -185,10 +206,17 @@ def actor_loss(entropy_coeff: float = 0.01):
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
     from verl.workers.utils.losses import ppo_loss
 
-    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True,
-                             entropy_coeff=entropy_coeff, calculate_entropy=True,
-                             use_kl_loss=True, kl_loss_coef=0.1, clip_ratio=0.1,
-                             fsdp_config=FSDPEngineConfig(strategy="fsdp2"))
+    config = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        entropy_coeff=entropy_coeff,
+        calculate_entropy=True,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        clip_ratio=0.1,
+        fsdp_config=FSDPEngineConfig(strategy="fsdp2"),
+    )
     return partial(ppo_loss, config)
 
 
@@ -198,8 +226,9 @@ def critic_loss():
     from verl.workers.config import FSDPCriticConfig
     from verl.workers.utils.losses import value_loss
 
-    config = FSDPCriticConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True,
-                              cliprange_value=0.5)
+    config = FSDPCriticConfig(
+        strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, cliprange_value=0.5
+    )
     return partial(value_loss, config)
 
 
@@ -244,8 +273,20 @@ def finish(worker) -> None:
         handle.detach()
 
 
-def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, odc,
-                   layout=None, after=None, make=None, before=None):
+def mini_batch_run(
+    rank,
+    world,
+    strategy,
+    critic,
+    model_path,
+    dispatched,
+    seed,
+    odc,
+    layout=None,
+    after=None,
+    make=None,
+    before=None,
+):
     """verl's update of one rollout batch: train_mini_batch over the rank's dispatched rows
     (verl's dispatch gives each rank an equal chunk), 2 mini-batches -> 2 optimizer steps.
     ``layout(rank, responses)`` gives the rank's rows of the whole batch where they are not
@@ -265,12 +306,16 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
     logged, forward = [], []
     for call, responses in enumerate(dispatched):
         specs = [r for part in responses for r in part]
-        whole = (make(specs, seed + call) if make is not None
-                 else make_batch(specs, seed + call, critic))
+        whole = (
+            make(specs, seed + call) if make is not None else make_batch(specs, seed + call, critic)
+        )
         per_rank = len(responses[0])
         start = sum(len(p) for p in responses[:rank])
-        mine = (list(range(start, start + len(responses[rank]))) if layout is None
-                else layout(rank, responses))
+        mine = (
+            list(range(start, start + len(responses[rank])))
+            if layout is None
+            else layout(rank, responses)
+        )
         # As verl's trainer before the update: old log-probs (values) from a forward-only pass
         # of the same engine; under ODC with each rank's own microbatch count, and then the
         # update starts with zero_grad() after that forward.
@@ -286,13 +331,24 @@ def mini_batch_run(rank, world, strategy, critic, model_path, dispatched, seed, 
             padded = no_padding_2_padding(inferred, rows(whole, mine))
             forward.append(padded[rows(whole, mine)["response_mask"].bool()].tolist())
         data = rows(whole, mine)
-        tu.assign_non_tensor(data, global_batch_size=world * per_rank // 2,
-                             mini_batch_size=world * per_rank // 2, epochs=1, seed=7,
-                             dataloader_kwargs={"shuffle": False}, calculate_entropy=True)
+        tu.assign_non_tensor(
+            data,
+            global_batch_size=world * per_rank // 2,
+            mini_batch_size=world * per_rank // 2,
+            epochs=1,
+            seed=7,
+            dataloader_kwargs={"shuffle": False},
+            calculate_entropy=True,
+        )
         logged.append(metrics_of(worker.train_mini_batch(data)))
     steps = list(getattr(worker.engine, "odc_steps", []))
-    result = {"metrics": logged, "params": parameters(worker), "steps": steps,
-              "forward": forward, "mesh": meshes(worker.engine)}
+    result = {
+        "metrics": logged,
+        "params": parameters(worker),
+        "steps": steps,
+        "forward": forward,
+        "mesh": meshes(worker.engine),
+    }
     if seen is not None:
         result["before"] = seen
     if after is not None:
@@ -308,10 +364,15 @@ def meshes(engine) -> dict:
     import torch.distributed as dist
 
     mesh = engine.device_mesh
-    backends = [type(mesh.get_group(d)._get_backend(torch.device("cpu"))).__name__
-                for d in range(mesh.ndim)]
-    out = {"names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "backends": backends,
-           "groups": [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]}
+    backends = [
+        type(mesh.get_group(d)._get_backend(torch.device("cpu"))).__name__ for d in range(mesh.ndim)
+    ]
+    out = {
+        "names": list(mesh.mesh_dim_names),
+        "shape": list(mesh.shape),
+        "backends": backends,
+        "groups": [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)],
+    }
     if engine.ulysses_device_mesh is not None:
         out["sp_mesh"] = list(engine.ulysses_device_mesh.shape)
         out["sp_group"] = dist.get_process_group_ranks(engine.ulysses_parallel_group)
@@ -330,8 +391,12 @@ def train_batch_run(rank, world, strategy, model_path, responses, split, seed, o
     for step in range(2):
         whole = make_batch(responses, seed + step)
         data = rows(whole, split[rank])
-        tu.assign_non_tensor(data, global_batch_size=len(whole), calculate_entropy=True,
-                             global_token_num=[int(x) for x in data["input_ids"].offsets().diff()])
+        tu.assign_non_tensor(
+            data,
+            global_batch_size=len(whole),
+            calculate_entropy=True,
+            global_token_num=[int(x) for x in data["input_ids"].offsets().diff()],
+        )
         logged.append(metrics_of(worker.train_batch(data)))
     steps = list(getattr(worker.engine, "odc_steps", []))
     result = {"metrics": logged, "params": parameters(worker), "steps": steps}
@@ -356,8 +421,10 @@ def one_rank(rank, world, model_path) -> dict:
     which keeps FSDP2's own path (a group of one rank has nothing to communicate)."""
     torch_threads_and_env(rank, world)
     dispatched = [[[r for part in UNEVEN for r in part]]]  # every row on the one rank
-    return {"ref": mini_batch_run(rank, world, "fsdp2", False, model_path, dispatched, 50, {}),
-            "odc": fallback_run(rank, world, model_path, dispatched, 50)}
+    return {
+        "ref": mini_batch_run(rank, world, "fsdp2", False, model_path, dispatched, 50, {}),
+        "odc": fallback_run(rank, world, model_path, dispatched, 50),
+    }
 
 
 def reference_engine(model_path: str) -> dict:
@@ -372,12 +439,19 @@ def reference_engine(model_path: str) -> dict:
 
     config = TrainingWorkerConfig(
         model_type="language_model",
-        model_config=HFModelConfig(path=model_path, load_tokenizer=False,
-                                   override_config={"attn_implementation": "eager"}),
-        engine_config=ODCEngineConfig(strategy="odc", forward_only=True, use_dynamic_bsz=True,
-                                      max_token_len_per_gpu=MAX_TOKENS,
-                                      infer_max_token_len_per_gpu=MAX_TOKENS),
-        optimizer_config=None, checkpoint_config=CheckpointConfig())
+        model_config=HFModelConfig(
+            path=model_path, load_tokenizer=False, override_config={"attn_implementation": "eager"}
+        ),
+        engine_config=ODCEngineConfig(
+            strategy="odc",
+            forward_only=True,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=MAX_TOKENS,
+            infer_max_token_len_per_gpu=MAX_TOKENS,
+        ),
+        optimizer_config=None,
+        checkpoint_config=CheckpointConfig(),
+    )
     engine = TrainingWorker(config).engine
     return {"class": type(engine).__name__, "active": engine.odc_active}
 
@@ -406,8 +480,9 @@ def torch_threads_and_env(rank: int, world: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")  # verl's Worker reads these; the group already exists
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    )  # verl's Worker reads these; the group already exists
 
 
 def ranks(rank: int, world: int, model_path: str) -> dict:
@@ -424,24 +499,74 @@ def ranks(rank: int, world: int, model_path: str) -> dict:
     timed("actor_odc", mini_batch_run, rank, world, "odc", False, model_path, actor_data, 10, {})
     mini_data = [SKEWED, UNEVEN]
     timed("mini_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, mini_data, 40, {})
-    timed("mini_odc", mini_batch_run, rank, world, "odc", False, model_path, mini_data, 40,
-          {"odc_balance": "mini", "odc_cost": "verl"})
+    timed(
+        "mini_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        model_path,
+        mini_data,
+        40,
+        {"odc_balance": "mini", "odc_cost": "verl"},
+    )
     # verl's param_offload / optimizer_offload: the engine's phase switches (train and eval
     # contexts) release ODC's memory and take it back, every rank at the same point.
     offload = {"engine": {"param_offload": True, "optimizer_offload": True}}
-    timed("offload_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, actor_data, 10,
-          copy.deepcopy(offload))
-    timed("offload_odc", mini_batch_run, rank, world, "odc", False, model_path, actor_data, 10,
-          copy.deepcopy(offload),
-          after=lambda worker: worker.engine.odc_handle.stats()["releases"])
+    timed(
+        "offload_ref",
+        mini_batch_run,
+        rank,
+        world,
+        "fsdp2",
+        False,
+        model_path,
+        actor_data,
+        10,
+        copy.deepcopy(offload),
+    )
+    timed(
+        "offload_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        model_path,
+        actor_data,
+        10,
+        copy.deepcopy(offload),
+        after=lambda worker: worker.engine.odc_handle.stats()["releases"],
+    )
     critic_data = [UNEVEN]
     timed("critic_ref", mini_batch_run, rank, world, "fsdp2", True, model_path, critic_data, 20, {})
     timed("critic_odc", mini_batch_run, rank, world, "odc", True, model_path, critic_data, 20, {})
     # Six sequences: verl's equalized run gets 3 and 3, ODC's rank 1 a single short one.
-    timed("single_ref", train_batch_run, rank, world, "fsdp2", model_path, SINGLE,
-          [[0, 1, 2], [3, 4, 5]], 30, {})
-    timed("single_odc", train_batch_run, rank, world, "odc", model_path, SINGLE,
-          [[0, 1, 3, 4, 5], [2]], 30, {})
+    timed(
+        "single_ref",
+        train_batch_run,
+        rank,
+        world,
+        "fsdp2",
+        model_path,
+        SINGLE,
+        [[0, 1, 2], [3, 4, 5]],
+        30,
+        {},
+    )
+    timed(
+        "single_odc",
+        train_batch_run,
+        rank,
+        world,
+        "odc",
+        model_path,
+        SINGLE,
+        [[0, 1, 3, 4, 5], [2]],
+        30,
+        {},
+    )
     # Ranks on two hosts (ODC_HOST_ID): attach keeps FSDP2's collectives, and the engine runs
     # verl's own path (equal counts) instead of ODC's.
     os.environ["ODC_HOST_ID"] = f"host{rank}"
@@ -466,8 +591,12 @@ VLM_ENGINE = {"max_token_len_per_gpu": VLM_TOKENS, "infer_max_token_len_per_gpu"
 # turns the last bits of a gradient element that nearly cancels (the order in which ranks'
 # gradients are summed differs, 1e-9 of 1e-7) into a step of up to lr x 1e-2, near the 1e-6
 # bound; with 1e-4 such an element moves by lr x 1e-5 at most.
-VLM_OPTIM = {"optimizer": "AdamW", "lr": 2e-3, "weight_decay": 0.01,
-             "override_optimizer_config": {"eps": 1e-4}}
+VLM_OPTIM = {
+    "optimizer": "AdamW",
+    "lr": 2e-3,
+    "weight_decay": 0.01,
+    "override_optimizer_config": {"eps": 1e-4},
+}
 
 
 def _vlm_before(worker) -> dict:
@@ -481,8 +610,10 @@ def _vlm_before(worker) -> dict:
 def _vlm_after(worker, refuse: bool = False) -> dict:
     import verl_vlm
 
-    out = {"dummy_end": verl_vlm.DUMMY_CALLS["dummy"],
-           "odc": dict(getattr(worker.engine, "odc_vision_forwards", {}))}
+    out = {
+        "dummy_end": verl_vlm.DUMMY_CALLS["dummy"],
+        "odc": dict(getattr(worker.engine, "odc_vision_forwards", {})),
+    }
     if refuse:
         out["refused"] = _vlm_refused(worker)
     return out
@@ -497,16 +628,18 @@ def _vlm_refused(worker) -> str:
     from tensordict.tensorclass import NonTensorData, NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    whole = verl_vlm.make_batch([verl_vlm.row(4, 6, images=[(4, 4)]), verl_vlm.row(4, 6)] * 2,
-                                99)
+    whole = verl_vlm.make_batch([verl_vlm.row(4, 6, images=[(4, 4)]), verl_vlm.row(4, 6)] * 2, 99)
     data = rows(whole, [0, 1] if dist.get_rank() == 0 else [2, 3])
     if dist.get_rank() == 1:
         inputs = [dict(getattr(x, "data", x)) for x in data.get("multi_modal_inputs")]
         inputs[0]["mm_token_type_ids"] = torch.zeros(1, 12, dtype=torch.long)
-        data["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d)
-                                                               for d in inputs])
-    tu.assign_non_tensor(data, global_batch_size=4, calculate_entropy=True,
-                         global_token_num=[int(x) for x in data["input_ids"].offsets().diff()])
+        data["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d) for d in inputs])
+    tu.assign_non_tensor(
+        data,
+        global_batch_size=4,
+        calculate_entropy=True,
+        global_token_num=[int(x) for x in data["input_ids"].offsets().diff()],
+    )
     try:
         worker.train_batch(data)
     except NotImplementedError as e:
@@ -522,21 +655,80 @@ def vlm_scenarios(timed, rank: int, world: int, model_path: str) -> None:
 
     verl_vlm.install_dummy_fix()
     path, data = model_path + "-vlm", verl_vlm.calls()
-    common = dict(make=verl_vlm.make_batch, before=_vlm_before)
+    common = {"make": verl_vlm.make_batch, "before": _vlm_before}
     odc = {"engine": VLM_ENGINE, "optim": VLM_OPTIM}
-    timed("vlm_ref", mini_batch_run, rank, world, "fsdp2", False, path, data, 80,
-          copy.deepcopy(odc), after=_vlm_after, **common)
-    timed("vlm_odc", mini_batch_run, rank, world, "odc", False, path, data, 80,
-          copy.deepcopy(odc), after=lambda w: _vlm_after(w, refuse=True), **common)
-    timed("vlm_mini_odc", mini_batch_run, rank, world, "odc", False, path, data, 80,
-          {**copy.deepcopy(odc), "odc_balance": "mini", "odc_cost": "tokens"},
-          after=_vlm_after, **common)
+    timed(
+        "vlm_ref",
+        mini_batch_run,
+        rank,
+        world,
+        "fsdp2",
+        False,
+        path,
+        data,
+        80,
+        copy.deepcopy(odc),
+        after=_vlm_after,
+        **common,
+    )
+    timed(
+        "vlm_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        path,
+        data,
+        80,
+        copy.deepcopy(odc),
+        after=lambda w: _vlm_after(w, refuse=True),
+        **common,
+    )
+    timed(
+        "vlm_mini_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        path,
+        data,
+        80,
+        {**copy.deepcopy(odc), "odc_balance": "mini", "odc_cost": "tokens"},
+        after=_vlm_after,
+        **common,
+    )
     # Qwen2.5-VL (a vision tower with a windowed block), local packing.
     path = model_path + "-vlm25"
-    timed("vlm25_ref", mini_batch_run, rank, world, "fsdp2", False, path, data, 90,
-          copy.deepcopy(odc), after=_vlm_after, **common)
-    timed("vlm25_odc", mini_batch_run, rank, world, "odc", False, path, data, 90,
-          copy.deepcopy(odc), after=_vlm_after, **common)
+    timed(
+        "vlm25_ref",
+        mini_batch_run,
+        rank,
+        world,
+        "fsdp2",
+        False,
+        path,
+        data,
+        90,
+        copy.deepcopy(odc),
+        after=_vlm_after,
+        **common,
+    )
+    timed(
+        "vlm25_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        path,
+        data,
+        90,
+        copy.deepcopy(odc),
+        after=_vlm_after,
+        **common,
+    )
 
 
 def vlm_ranks(rank: int, world: int, model_path: str) -> dict:
@@ -576,32 +768,57 @@ def install_cpu_ulysses() -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     import verl.models.transformers.monkey_patch as verl_patch
-    import verl.utils.ulysses as ulysses
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
+    from verl.utils import ulysses
 
     AttentionInterface.register(SP_ATTENTION, flash_attention_forward)
 
-    def varlen_sdpa(query, key, value, attention_mask, query_length, is_causal=True,
-                    dropout=0.0, position_ids=None, softmax_scale=None, sliding_window=None,
-                    softcap=None, **_):
+    def varlen_sdpa(
+        query,
+        key,
+        value,
+        attention_mask,
+        query_length,
+        is_causal=True,
+        dropout=0.0,
+        position_ids=None,
+        softmax_scale=None,
+        sliding_window=None,
+        softcap=None,
+        **_,
+    ):
         # (batch 1, tokens, heads, head_dim), as flash-attention takes them.
-        assert attention_mask is None and not dropout and sliding_window is None \
-            and softcap is None, "varlen_sdpa: an option this test shim does not serve"
+        assert (
+            attention_mask is None and not dropout and sliding_window is None and softcap is None
+        ), "varlen_sdpa: an option this test shim does not serve"
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         if k.size(1) != q.size(1):  # grouped-query attention, as flash-attention maps it
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         length = q.size(2)
-        starts = [0] if position_ids is None else \
-            (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+        starts = (
+            [0]
+            if position_ids is None
+            else (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+        )
         if not starts or starts[0] != 0:
             starts = [0] + starts
         bounds = starts + [length]
         SHIM_CALLS["attention"] += 1
-        out = torch.cat([F.scaled_dot_product_attention(
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=is_causal, scale=softmax_scale)
-            for a, b in zip(bounds, bounds[1:])], dim=2)
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:b],
+                    k[:, :, a:b],
+                    v[:, :, a:b],
+                    is_causal=is_causal,
+                    scale=softmax_scale,
+                )
+                for a, b in itertools.pairwise(bounds)
+            ],
+            dim=2,
+        )
         return out.transpose(1, 2)
 
     def all_to_all_tensor(local_input, scatter_dim, gather_dim, group=None, async_op=False):
@@ -612,8 +829,9 @@ def install_cpu_ulysses() -> None:
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
         SHIM_CALLS["all_to_all"] += 1
-        out = torch.cat([c.view(parts[0].shape) for c in received.chunk(n)],
-                        dim=gather_dim).contiguous()
+        out = torch.cat(
+            [c.view(parts[0].shape) for c in received.chunk(n)], dim=gather_dim
+        ).contiguous()
         return (lambda: out) if async_op else out
 
     verl_patch._flash_attention_forward = varlen_sdpa
@@ -623,8 +841,10 @@ def install_cpu_ulysses() -> None:
 # Per rank (4 rows each, 2 mini-batches of 2 rows per call). Call 0: ranks 0 and 1 hold long
 # rows (2 microbatches per mini-batch of 48 tokens), ranks 2 and 3 short ones (1); call 1: ranks
 # 0 and 2 need 2 microbatches in their first mini-batch, ranks 1 and 3 one.
-FOUR = [[[24, 23, 22, 24], [23, 24, 24, 22], [3, 2, 4, 3], [2, 3, 3, 2]],
-        [[24, 23, 3, 2], [2, 3, 4, 2], [22, 24, 3, 3], [3, 2, 2, 4]]]
+FOUR = [
+    [[24, 23, 22, 24], [23, 24, 24, 22], [3, 2, 4, 3], [2, 3, 3, 2]],
+    [[24, 23, 3, 2], [2, 3, 4, 2], [22, 24, 3, 3], [3, 2, 2, 4]],
+]
 SP = 2
 FOUR_MODEL = {"use_remove_padding": True, "override_config": {"attn_implementation": SP_ATTENTION}}
 
@@ -649,8 +869,12 @@ def sp_mismatch(worker) -> str:
 
     whole = make_batch([20, 3, 22, 4], 99)
     data = rows(whole, [0, 1] if dist.get_rank() % SP == 0 else [2, 3])
-    tu.assign_non_tensor(data, global_batch_size=4, calculate_entropy=True,
-                         global_token_num=[int(x) for x in data["input_ids"].offsets().diff()])
+    tu.assign_non_tensor(
+        data,
+        global_batch_size=4,
+        calculate_entropy=True,
+        global_token_num=[int(x) for x in data["input_ids"].offsets().diff()],
+    )
     try:
         worker.train_batch(data)
     except RuntimeError as e:
@@ -672,21 +896,63 @@ def four_ranks(rank: int, world: int, model_path: str) -> dict:
     hsdp = {"engine": {"fsdp_size": 2}, "model": FOUR_MODEL}
     sp = {"engine": {"ulysses_sequence_parallel_size": SP}, "model": FOUR_MODEL}
     # verl's own HSDP run is also verl's sp=1 run on the same mini-batches (the SP runs below).
-    timed("hsdp_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, FOUR, 60,
-          dict(hsdp))
-    timed("hsdp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
-          dict(hsdp))
-    timed("sp_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, FOUR, 60, dict(sp),
-          layout=sp_layout)
-    timed("sp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60, dict(sp),
-          layout=sp_layout, after=sp_mismatch)
+    timed("hsdp_ref", mini_batch_run, rank, world, "fsdp2", False, model_path, FOUR, 60, dict(hsdp))
+    timed("hsdp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60, dict(hsdp))
+    timed(
+        "sp_ref",
+        mini_batch_run,
+        rank,
+        world,
+        "fsdp2",
+        False,
+        model_path,
+        FOUR,
+        60,
+        dict(sp),
+        layout=sp_layout,
+    )
+    timed(
+        "sp_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        model_path,
+        FOUR,
+        60,
+        dict(sp),
+        layout=sp_layout,
+        after=sp_mismatch,
+    )
     # LB-Mini over the DP ranks (each SP group's ranks move the same rows); and SP inside
     # verl's 2-D mesh (fsdp_size=2: the shard groups are the SP groups, replicas across them).
-    timed("sp_mini_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
-          {**sp, "odc_balance": "mini"}, layout=sp_layout)
-    timed("sp_hsdp_odc", mini_batch_run, rank, world, "odc", False, model_path, FOUR, 60,
-          {"engine": {"fsdp_size": 2, "ulysses_sequence_parallel_size": SP},
-           "model": FOUR_MODEL}, layout=sp_layout)
+    timed(
+        "sp_mini_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        model_path,
+        FOUR,
+        60,
+        {**sp, "odc_balance": "mini"},
+        layout=sp_layout,
+    )
+    timed(
+        "sp_hsdp_odc",
+        mini_batch_run,
+        rank,
+        world,
+        "odc",
+        False,
+        model_path,
+        FOUR,
+        60,
+        {"engine": {"fsdp_size": 2, "ulysses_sequence_parallel_size": SP}, "model": FOUR_MODEL},
+        layout=sp_layout,
+    )
     out["timings"] = timings
     return out
 
@@ -701,9 +967,12 @@ def main() -> None:
     import verl_vlm
 
     found, walls = {}, {}
-    launches = (("two", "ranks", 2, ranks, 600.0), ("one", "one_rank", 1, one_rank, 300.0),
-                ("four", "four_ranks", 4, four_ranks, 900.0),
-                ("vlm", "vlm_ranks", 2, vlm_ranks, 600.0))
+    launches = (
+        ("two", "ranks", 2, ranks, 600.0),
+        ("one", "one_rank", 1, one_rank, 300.0),
+        ("four", "four_ranks", 4, four_ranks, 900.0),
+        ("vlm", "vlm_ranks", 2, vlm_ranks, 600.0),
+    )
     with tempfile.TemporaryDirectory(prefix="odc-verl-") as tmp:
         model_path = os.path.join(tmp, "model")
         build_model(model_path)
@@ -714,8 +983,9 @@ def main() -> None:
         for launch, key, world, fn, timeout in launches:
             if launch in chosen:
                 started = time.perf_counter()
-                got = run_ranks(world, fn, model_path, backend="gloo", timeout=timeout,
-                                pg_timeout=120.0)
+                got = run_ranks(
+                    world, fn, model_path, backend="gloo", timeout=timeout, pg_timeout=120.0
+                )
                 found[key] = got[0] if world == 1 else got
                 walls[launch] = time.perf_counter() - started
         wall = time.perf_counter() - t0
@@ -725,8 +995,12 @@ def main() -> None:
 
     import torch_odc
 
-    versions = {"verl": verl.__version__, "torch": torch.__version__,
-                "transformers": transformers.__version__, "torch_odc": torch_odc.__file__}
+    versions = {
+        "verl": verl.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_odc": torch_odc.__file__,
+    }
     with open(target, "w") as f:
         json.dump({**found, "wall_s": wall, "launch_wall_s": walls, "versions": versions}, f)
 

@@ -18,8 +18,10 @@ PYTHON = os.environ.get("ODC_VERL_PYTHON", os.path.join(VENV, "bin", "python"))
 def verl_python() -> str:
     """The environment's python; skips without it (fails in CI, whose bootstrap builds it)."""
     if not os.path.exists(PYTHON):
-        reason = (f"{PYTHON} is missing: `bash .ci/bootstrap test` builds verl's environment "
-                  f"(.venv/verl-{LINE}; it needs PyPI)")
+        reason = (
+            f"{PYTHON} is missing: `bash .ci/bootstrap test` builds verl's environment "
+            f"(.venv/verl-{LINE}; it needs PyPI)"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
@@ -33,9 +35,15 @@ def run_under_verl(script: str, out, timeout: int) -> dict:
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([verl_python(), os.path.join(ROOT, "tests", script), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(
+        [verl_python(), os.path.join(ROOT, "tests", script), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
     with open(out) as f:
         return json.load(f)

@@ -21,13 +21,15 @@ rollout rows with images, videos or neither, as verl 0.9.1's agent loop hands th
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 WORDS = 64  # ids 0 <pad>, 1 <eos>, 2..63 words; then the vision tokens
 IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD = WORDS, WORDS + 1, WORDS + 2, WORDS + 3
 PATCH, MERGE, TEMPORAL, CHANNELS = 4, 2, 2, 3
 PATCH_DIM = CHANNELS * TEMPORAL * PATCH * PATCH
-PROMPT = 40    # prompt width (left-padded)
+PROMPT = 40  # prompt width (left-padded)
 RESPONSE = 24  # response width (right-padded)
 
 DUMMY_CALLS = {"dummy": 0}
@@ -36,26 +38,54 @@ DUMMY_CALLS = {"dummy": 0}
 def build_model(path: str, family: str = "qwen2_vl") -> None:
     import transformers
 
-    text = {"vocab_size": WORDS + 4, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [1, 1, 2]},
-            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
-    vision = {"depth": 2, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE,
-              "temporal_patch_size": TEMPORAL, "in_channels": CHANNELS}
+    text = {
+        "vocab_size": WORDS + 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+        },
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 1,
+    }
+    vision = {
+        "depth": 2,
+        "num_heads": 2,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL,
+        "in_channels": CHANNELS,
+    }
     if family == "qwen2_vl":
         vision.update(embed_dim=16, hidden_size=32)
         config_class = transformers.Qwen2VLConfig
         model_class = transformers.Qwen2VLForConditionalGeneration
     else:
-        vision.update(hidden_size=16, intermediate_size=32, out_hidden_size=32,
-                      window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1])
+        vision.update(
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=32,
+            window_size=2 * MERGE * PATCH,
+            fullatt_block_indexes=[1],
+        )
         config_class = transformers.Qwen2_5_VLConfig
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
-    config = config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
-                          video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model_class(config).save_pretrained(path)
 
@@ -63,12 +93,16 @@ def build_model(path: str, family: str = "qwen2_vl") -> None:
 class _Processor:
     """What verl's ``get_rope_index`` reads of a processor."""
 
-    class image_processor:  # noqa: N801
+    class image_processor:
         merge_size = MERGE
 
-    class tokenizer:  # noqa: N801
-        ids = {"<|image_pad|>": IMAGE_PAD, "<|video_pad|>": VIDEO_PAD,
-               "<|vision_start|>": VISION_START, "<|vision_end|>": VISION_END}
+    class tokenizer:
+        ids: typing.ClassVar = {
+            "<|image_pad|>": IMAGE_PAD,
+            "<|video_pad|>": VIDEO_PAD,
+            "<|vision_start|>": VISION_START,
+            "<|vision_end|>": VISION_END,
+        }
 
         @classmethod
         def convert_tokens_to_ids(cls, token):
@@ -85,7 +119,7 @@ def tokens(spec: dict) -> int:
     vision = [h * w for h, w in spec["images"]]
     if spec["video"] is not None:
         vision.append(spec["video"][0] * spec["video"][1] * spec["video"][2])
-    return spec["words"] + sum(n // MERGE ** 2 + 2 for n in vision) + spec["response"]
+    return spec["words"] + sum(n // MERGE**2 + 2 for n in vision) + spec["response"]
 
 
 def patches(spec: dict) -> int:
@@ -107,11 +141,19 @@ def calls() -> list:
     # video, not both: verl's FSDP2 runs the vision tower once per modality of a microbatch, and
     # a microbatch with both beside one with either aborts on mismatched collectives.)
     return [
-        [[r(6, 20, images=[(8, 8)]), r(6, 24), r(6, 24), r(16, 24)],
-         [r(4, 6, images=[(4, 4)]), r(4, 5), r(4, 6), r(4, 8)]],
-        [[r(4, 10, video=(2, 4, 4)), r(10, 20), r(6, 22), r(16, 24)],
-         [r(4, 14, images=[(4, 4), (8, 8)]), r(6, 20), r(4, 6, images=[(8, 8)]),
-          r(8, 8, images=[(4, 8)])]],
+        [
+            [r(6, 20, images=[(8, 8)]), r(6, 24), r(6, 24), r(16, 24)],
+            [r(4, 6, images=[(4, 4)]), r(4, 5), r(4, 6), r(4, 8)],
+        ],
+        [
+            [r(4, 10, video=(2, 4, 4)), r(10, 20), r(6, 22), r(16, 24)],
+            [
+                r(4, 14, images=[(4, 4), (8, 8)]),
+                r(6, 20),
+                r(4, 6, images=[(8, 8)]),
+                r(8, 8, images=[(4, 8)]),
+            ],
+        ],
     ]
 
 
@@ -135,42 +177,57 @@ def make_batch(specs: list[dict], seed: int):
         prompt = torch.randint(2, WORDS, (spec["words"],), generator=g).tolist()
         mm, grids = {}, []
         for h, w in spec["images"]:
-            prompt += [VISION_START] + [IMAGE_PAD] * (h * w // MERGE ** 2) + [VISION_END]
+            prompt += [VISION_START] + [IMAGE_PAD] * (h * w // MERGE**2) + [VISION_END]
             grids.append([1, h, w])
         if grids:
             grid = torch.tensor(grids)
-            mm = {"pixel_values": torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
-                  "image_grid_thw": grid,
-                  "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])}
+            mm = {
+                "pixel_values": torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=g),
+                "image_grid_thw": grid,
+                "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]),
+            }
         video = None
         if spec["video"] is not None:
             t, h, w = spec["video"]
-            prompt += [VISION_START] + [VIDEO_PAD] * (t * h * w // MERGE ** 2) + [VISION_END]
+            prompt += [VISION_START] + [VIDEO_PAD] * (t * h * w // MERGE**2) + [VISION_END]
             video = torch.tensor([[t, h, w]])
-            mm.update(pixel_values_videos=torch.randn(t * h * w, PATCH_DIM, generator=g),
-                      video_grid_thw=video)
+            mm.update(
+                pixel_values_videos=torch.randn(t * h * w, PATCH_DIM, generator=g),
+                video_grid_thw=video,
+            )
         assert len(prompt) <= PROMPT and spec["response"] <= RESPONSE, spec
         p, r = len(prompt), spec["response"]
-        prompts[i, PROMPT - p:] = torch.tensor(prompt)
+        prompts[i, PROMPT - p :] = torch.tensor(prompt)
         responses[i, :r] = torch.randint(2, WORDS, (r,), generator=g)
-        attention[i, PROMPT - p:PROMPT + r] = 1
+        attention[i, PROMPT - p : PROMPT + r] = 1
         ids = torch.cat([prompts[i], responses[i]])
-        vision = get_rope_index(_Processor, ids, image_grid_thw=mm.get("image_grid_thw"),
-                                video_grid_thw=video, attention_mask=attention[i])
+        vision = get_rope_index(
+            _Processor,
+            ids,
+            image_grid_thw=mm.get("image_grid_thw"),
+            video_grid_thw=video,
+            attention_mask=attention[i],
+        )
         text = torch.ones(PROMPT + RESPONSE, dtype=torch.long)
         text[attention[i].bool()] = torch.arange(p + r)
         position_ids[i] = torch.cat([text[None], vision])
         inputs.append(mm)
     response_mask = attention[:, PROMPT:].clone()
     base = -torch.log(torch.tensor(float(WORDS + 4)))
-    td = TensorDict({
-        "prompts": prompts, "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
-        "position_ids": position_ids, "response_mask": response_mask,
-        "old_log_probs": base + 0.2 * torch.randn(n, RESPONSE, generator=g),
-        "ref_log_prob": base + 0.2 * torch.randn(n, RESPONSE, generator=g),
-        "advantages": torch.randn(n, RESPONSE, generator=g),
-    }, batch_size=[n])
+    td = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "old_log_probs": base + 0.2 * torch.randn(n, RESPONSE, generator=g),
+            "ref_log_prob": base + 0.2 * torch.randn(n, RESPONSE, generator=g),
+            "advantages": torch.randn(n, RESPONSE, generator=g),
+        },
+        batch_size=[n],
+    )
     td = left_right_2_no_padding(td)
     td["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(d) for d in inputs])
     tu.assign_non_tensor(td, temperature=1.0)
@@ -180,22 +237,35 @@ def make_batch(specs: list[dict], seed: int):
 def install_dummy_fix() -> None:
     """verl's ``_get_input_embeds`` with its dummy vision forward working on transformers 5
     (see the module docstring); the path with images or videos is verl's own."""
-    import verl.models.transformers.qwen2_vl as qwen2_vl
+    from verl.models.transformers import qwen2_vl
     from verl.utils.transformers_compat import unpack_visual_output
 
     original = getattr(qwen2_vl._get_input_embeds, "verl_original", qwen2_vl._get_input_embeds)
 
-    def _get_input_embeds(model, input_ids, attention_mask=None, pixel_values=None,
-                          pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None):
+    def _get_input_embeds(
+        model,
+        input_ids,
+        attention_mask=None,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+    ):
         if pixel_values is not None or pixel_values_videos is not None:
-            return original(model, input_ids, attention_mask, pixel_values, pixel_values_videos,
-                            image_grid_thw, video_grid_thw)
+            return original(
+                model,
+                input_ids,
+                attention_mask,
+                pixel_values,
+                pixel_values_videos,
+                image_grid_thw,
+                video_grid_thw,
+            )
         DUMMY_CALLS["dummy"] += 1
         inputs_embeds = model.get_input_embeddings()(input_ids)
         config = model.config.vision_config
-        patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-        zeros = torch.zeros((16, patch_dim), dtype=inputs_embeds.dtype,
-                            device=inputs_embeds.device)
+        patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        zeros = torch.zeros((16, patch_dim), dtype=inputs_embeds.dtype, device=inputs_embeds.device)
         grid = torch.tensor([[1, 4, 4]], dtype=torch.long, device=inputs_embeds.device)
         image_embeds, _ = unpack_visual_output(model.visual(zeros, grid_thw=grid))
         inputs_embeds = inputs_embeds + 0.0 * image_embeds.mean()
@@ -213,6 +283,7 @@ def count_vision_forwards(worker) -> dict:
     for name, module in worker.engine.module.named_modules():
         if name.endswith("visual"):
             module.register_forward_hook(
-                lambda *_: counts.__setitem__("vision", counts["vision"] + 1))
+                lambda *_: counts.__setitem__("vision", counts["vision"] + 1)
+            )
             return counts
     raise AssertionError("no vision tower")

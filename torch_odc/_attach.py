@@ -59,7 +59,8 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         gather = _fsdp2.gather_dtype(unit, unit.params[0])
         if gather not in _DTYPE_NAMES:
             raise NotImplementedError(
-                f"torch_odc.attach: module '{unit.name}': parameters in {gather}")
+                f"torch_odc.attach: module '{unit.name}': parameters in {gather}"
+            )
         groups.add((_fsdp2.shard_group(unit), _fsdp2.replicate_group(unit)))
         devices.add(_fsdp2.device(unit))
     if len(groups) != 1 or len(devices) != 1:
@@ -82,8 +83,9 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         handle._attached = False
         handle.collective_reason = reason
         return handle
-    backend._connect_engine([k.spec() for k in entries],
-                            device.index if device.type == "cuda" else -1)
+    backend._connect_engine(
+        [k.spec() for k in entries], device.index if device.type == "cuda" else -1
+    )
     for index, key in enumerate(entries):
         key._where = handle._where
         key.calls = _C.KeyCalls(backend, index, len(key.unit.params))
@@ -98,7 +100,8 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
         # FSDP2's pre-forward at whichever of them runs first: each gets the hook.
         for module in key.unit.modules:
             handle._hooks.append(
-                module.register_forward_pre_hook(lambda *_, k=key: k.before_forward()))
+                module.register_forward_pre_hook(lambda *_, k=key: k.before_forward())
+            )
     handle._accumulator_generation = backend._accumulator_generation  # what the keys view
     # The sharded parameters move into the shard caches now (before the optimizer's state is
     # made, before the first minibatch): FSDP2's lazy init may still re-pad some (those move in
@@ -143,8 +146,10 @@ def _collective_fallback_reason(group, device: torch.device, replicate=None) -> 
         return f"no on-demand transport for {device.type} tensors"
     if dist.get_world_size(group) == 1:
         if replicate is not None:
-            return ("HSDP shard groups of one rank: FSDP2's own path runs (a reduce-scatter of "
-                    "one and an all-reduce across replicas per microbatch)")
+            return (
+                "HSDP shard groups of one rank: FSDP2's own path runs (a reduce-scatter of "
+                "one and an all-reduce across replicas per microbatch)"
+            )
         return "a group of one rank has nothing to communicate (FSDP2 calls no collective)"
     if device.type == "cuda":
         # Collective: peer access and native atomics for every GPU pair, a kernel image here.
@@ -156,10 +161,14 @@ def _collective_fallback_reason(group, device: torch.device, replicate=None) -> 
     if len(set(hosts)) > 1:
         n, per = len(set(hosts)), len(hosts) // len(set(hosts))
         if replicate is not None:
-            return (f"its shard groups span {n} hosts; one-sided access needs each shard group "
-                    "on one host: make the mesh's shard dimension the GPUs of one host")
-        return (f"the group spans {n} hosts; one-sided access needs one host. Use hybrid "
-                "sharding, on-demand inside each host and one all-reduce per minibatch across "
-                f"them: mesh = init_device_mesh(device, ({n}, {per}), mesh_dim_names="
-                '("replicate", "shard")); fully_shard(module, mesh=mesh)')
+            return (
+                f"its shard groups span {n} hosts; one-sided access needs each shard group "
+                "on one host: make the mesh's shard dimension the GPUs of one host"
+            )
+        return (
+            f"the group spans {n} hosts; one-sided access needs one host. Use hybrid "
+            "sharding, on-demand inside each host and one all-reduce per minibatch across "
+            f"them: mesh = init_device_mesh(device, ({n}, {per}), mesh_dim_names="
+            '("replicate", "shard")); fully_shard(module, mesh=mesh)'
+        )
     return None

@@ -26,12 +26,19 @@ def _cuda_collectives_mode() -> str:
     if mode not in CUDA_COLLECTIVES:
         raise ValueError(
             f"torch_odc: ODC_CUDA_COLLECTIVES={mode!r}: use auto (the default: NCCL, or Gloo for "
-            "a group with two ranks on one GPU), nccl or gloo")
+            "a group with two ranks on one GPU), nccl or gloo"
+        )
     return mode
 
 
-def _cuda_collectives_for(store, rank: int, size: int, ranks: list[int], device: str,
-                          timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> str:
+def _cuda_collectives_for(
+    store,
+    rank: int,
+    size: int,
+    ranks: list[int],
+    device: str,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> str:
     """ODC_CUDA_COLLECTIVES=auto: "nccl", or "gloo" where two ranks of the group are on one GPU
     (NCCL refuses two ranks of a communicator on one device). Collective over the group through
     its store: every rank publishes its device (`device`, a GPU UUID) and reads the others', so
@@ -92,8 +99,7 @@ def _cuda_factory(store, rank: int, size: int, timeout, ranks: list[int]):
         return None
 
     def gloo():
-        return dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo-cuda/", store), rank, size,
-                                     timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore("odc/gloo-cuda/", store), rank, size, timeout)
 
     if mode == "gloo":
         return gloo

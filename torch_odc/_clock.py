@@ -29,5 +29,12 @@ class _HostClock:
 # unit's forward pre-hook, the sharded-.grad hook FSDP2 calls after a reduce-scatter, the root's
 # forward pre-hook (entry into the minibatch and the eager publish), the barrier, the optimizer's
 # step pre-hook.
-_CLOCK_KINDS = ("gather", "push", "unit_pre_forward", "grad_hook", "root_pre_forward", "barrier",
-                "step_hook")
+_CLOCK_KINDS = (
+    "gather",
+    "push",
+    "unit_pre_forward",
+    "grad_hook",
+    "root_pre_forward",
+    "barrier",
+    "step_hook",
+)

@@ -43,8 +43,9 @@ class _KeyedAllGather(_fsdp2.AllGather):
                 raise RuntimeError(handle._wrong_group(self._key, "all-gather", group))
             if not handle._all_published:
                 handle._publish_key(self._key)
-            return handle._backend._keyed_all_gather(self._key, output_tensor, input_tensor,
-                                                     async_op)
+            return handle._backend._keyed_all_gather(
+                self._key, output_tensor, input_tensor, async_op
+            )
         finally:
             handle._clock_gather.s += perf_counter() - t0
 
@@ -74,13 +75,17 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         if group is not handle._group:
             raise RuntimeError(handle._wrong_group(self._key, "reduce-scatter", group))
         key = self._entry
-        if (key.fast_push and not key.any_user
-                and _fsdp2.reduce_scatter_order(key.unit) is key._order):
+        if (
+            key.fast_push
+            and not key.any_user
+            and _fsdp2.reduce_scatter_order(key.unit) is key._order
+        ):
             # The common push, one C++ call: every trainable parameter got a gradient (in key
             # order) and holds its placeholder; the call clears them (FSDP2 sets .grad next) and
             # pushes. False: it changed nothing, and the general path below runs.
-            work = key.calls.push_all(output_tensor, input_tensor, op,
-                                      key.push_scale(input_tensor.dtype), async_op)
+            work = key.calls.push_all(
+                output_tensor, input_tensor, op, key.push_scale(input_tensor.dtype), async_op
+            )
             if work is not False:
                 key.reduced = key._all_reduced
                 return work
@@ -106,4 +111,5 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
         if not key.fast_push:
             key.enable_fast_push()
         return handle._backend._keyed_reduce_scatter(
-            self._key, output_tensor, input_tensor, op, params, scale, async_op)
+            self._key, output_tensor, input_tensor, op, params, scale, async_op
+        )

@@ -128,8 +128,9 @@ def units(model: torch.nn.Module) -> list[Unit]:
             info = getattr(fp, "_module_info", None)
             owner = names.get(id(getattr(info, "module", None)))
             attr = getattr(info, "param_name", None)
-            unit.param_names.append(f"{owner}.{attr}" if owner is not None and attr
-                                    else f"{unit.name}[{index}]")
+            unit.param_names.append(
+                f"{owner}.{attr}" if owner is not None and attr else f"{unit.name}[{index}]"
+            )
     return list(out.values())
 
 
@@ -142,8 +143,10 @@ def unsupported_reason(unit: Unit) -> str | None:
         return "replication without sharding (a DDP mesh) is not supported; use an HSDP mesh"
     post = group.post_forward_mesh_info
     if post is not None and post is not group.mesh_info:
-        return ("reshard_after_forward=<int> (resharding to a smaller group after forward) is not "
-                "supported; use True or False")
+        return (
+            "reshard_after_forward=<int> (resharding to a smaller group after forward) is not "
+            "supported; use True or False"
+        )
     for fp in unit.params:
         if getattr(fp, "offload_to_cpu", False):
             return "CPU offload (CPUOffloadPolicy) is not supported"
@@ -152,8 +155,10 @@ def unsupported_reason(unit: Unit) -> str | None:
         if hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather"):
             return "tensor subclasses with fsdp_pre_all_gather extensions are not supported"
         if getattr(fp.sharded_param, "_post_accumulate_grad_hooks", None):
-            return ("post-accumulate-grad hooks on sharded parameters (optimizer in backward) are "
-                    "not supported: gradients arrive at minibatch_barrier(), not in backward")
+            return (
+                "post-accumulate-grad hooks on sharded parameters (optimizer in backward) are "
+                "not supported: gradients arrive at minibatch_barrier(), not in backward"
+            )
     if len({gather_dtype(unit, fp) for fp in unit.params}) > 1:
         return "parameters all-gathered in different dtypes (param_dtype_override_fn)"
     return None
@@ -214,8 +219,11 @@ def gather_dtype(unit: Unit, fp) -> torch.dtype:
 
 def grad_dtype(fp) -> torch.dtype:
     """The dtype of the sharded gradient FSDP2 leaves in ``.grad`` (also before lazy init)."""
-    return (getattr(fp, "sharded_grad_dtype", None) or getattr(fp, "orig_dtype", None)
-            or fp.sharded_param.dtype)
+    return (
+        getattr(fp, "sharded_grad_dtype", None)
+        or getattr(fp, "orig_dtype", None)
+        or fp.sharded_param.dtype
+    )
 
 
 def trainable(fp) -> bool:
@@ -230,8 +238,12 @@ def padded_shard_numel(fp) -> int:
 
 def shard_view(fp, flat: torch.Tensor, offset: int) -> torch.Tensor:
     """This parameter's sharded gradient, a view of `flat` starting at element `offset`."""
-    return torch.as_strided(flat, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
-                            storage_offset=flat.storage_offset() + offset)
+    return torch.as_strided(
+        flat,
+        size=fp.sharded_size,
+        stride=fp.contiguous_sharded_stride,
+        storage_offset=flat.storage_offset() + offset,
+    )
 
 
 def sharded_grad(fp) -> torch.Tensor | None:
@@ -377,8 +389,12 @@ def push_scale(unit: Unit, reduce_dtype: torch.dtype) -> float:
 
     group, replicate = unit.group, replicate_group(unit)
     _, post, _, all_reduce_op = _get_gradient_divide_factors(
-        shard_group(unit), replicate, reduce_dtype, device(unit).type,
-        group.gradient_divide_factor, group.force_sum_reduction_for_comms,
+        shard_group(unit),
+        replicate,
+        reduce_dtype,
+        device(unit).type,
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
     )
     scale = 1.0 / float(post) if post is not None else 1.0
     if replicate is not None and all_reduce_op == torch.distributed.ReduceOp.AVG:

@@ -24,8 +24,15 @@ _REPLICA_BUCKET_BYTES = 256 << 20
 class Handle:
     """The attachment of one FSDP2 model to the odc backend; see :func:`attach`."""
 
-    def __init__(self, model, backend, keys: list[_Key], device: torch.device,
-                 eager_publish: bool = True, replicate_group=None):
+    def __init__(
+        self,
+        model,
+        backend,
+        keys: list[_Key],
+        device: torch.device,
+        eager_publish: bool = True,
+        replicate_group=None,
+    ):
         self.model, self._backend, self._keys, self.device = model, backend, keys, device
         self._replicate = replicate_group  # HSDP: one all-reduce per minibatch across replicas
         self._group = None  # the shard group the engine runs over (set by attach)
@@ -88,9 +95,11 @@ class Handle:
         return f"rank {info['rank']}, minibatch {minibatch}"
 
     def _wrong_group(self, key: int, op: str, group) -> str:
-        return (f"torch_odc: {self._where()}: FSDP2's {op} of '{self._keys[key].name}' came "
-                f"with process group {group}, not the group the model was attached over "
-                f"({self._group}); re-attach after changing the mesh")
+        return (
+            f"torch_odc: {self._where()}: FSDP2's {op} of '{self._keys[key].name}' came "
+            f"with process group {group}, not the group the model was attached over "
+            f"({self._group}); re-attach after changing the mesh"
+        )
 
     def _lazy_init(self) -> None:
         """FSDP2's lazy init of every unit (idempotent; what its own ``unshard()`` runs first):
@@ -179,16 +188,21 @@ class Handle:
             # Forwards only since the barrier (an evaluation, log-probs before an update): the
             # minibatch in progress holds nothing yet and starts again after the restore. A
             # gradient noted, pushed or carried would be lost: refused.
-            holding = [k.name for k in self._keys
-                       if k.reduced or k.calls.pushed() or any(
-                           p is _CARRY or isinstance(p, torch.Tensor) for p in k.prior)]
+            holding = [
+                k.name
+                for k in self._keys
+                if k.reduced
+                or k.calls.pushed()
+                or any(p is _CARRY or isinstance(p, torch.Tensor) for p in k.prior)
+            ]
             if holding:
                 raise RuntimeError(
                     f"torch_odc: {self._where()}: release_memory() inside a minibatch that "
                     f"holds gradients (of {', '.join(holding[:3])}"
                     f"{', ...' if len(holding) > 3 else ''}): they would be lost. Call it "
                     "between minibatches: after minibatch_barrier() (and optimizer.step()), or "
-                    "after forwards without backward")
+                    "after forwards without backward"
+                )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # Every rank is past its last keyed call: no peer reads this rank's shards or pushes
@@ -227,10 +241,12 @@ class Handle:
                 raise RuntimeError(
                     f"torch_odc: {self._where()}: restoring ODC's memory, but the parameters of "
                     f"'{key.name}' are on {', '.join(sorted(away))}, and the model was attached "
-                    f"on {self.device}: move the model back first (model.to({str(self.device)!r}))")
+                    f"on {self.device}: move the model back first (model.to({str(self.device)!r}))"
+                )
         b = self._backend
-        b._connect_engine([k.spec() for k in self._keys],
-                          self.device.index if self.device.type == "cuda" else -1)
+        b._connect_engine(
+            [k.spec() for k in self._keys], self.device.index if self.device.type == "cuda" else -1
+        )
         for index, key in enumerate(self._keys):
             key.refresh_accumulator(b._accumulator(index))
         self._accumulator_generation = b._accumulator_generation
@@ -280,11 +296,14 @@ class Handle:
                 grad = _fsdp2.sharded_grad(fp)
                 if grad is None or isinstance(grad, _NoGradBeforeBarrier):
                     key.prior[index] = None
-                elif releasing and key.spans[index] is not None and (
-                        grad is key.spans[index] or _same_view(grad, key.spans[index])):
+                elif (
+                    releasing
+                    and key.spans[index] is not None
+                    and (grad is key.spans[index] or _same_view(grad, key.spans[index]))
+                ):
                     # Not zero_grad()-ed (or zeroed in place): the next gradient adds to it.
                     # Across HSDP replicas the accumulators are summed, so it is kept apart.
-                    key.prior[index] = (grad.clone() if self._replicate is not None else _CARRY)
+                    key.prior[index] = grad.clone() if self._replicate is not None else _CARRY
                     carried = carried or key.prior[index] is _CARRY
                 else:
                     key.prior[index] = _USER
@@ -326,10 +345,10 @@ class Handle:
         section = self._backend._accumulator_section()
         per_bucket = _REPLICA_BUCKET_BYTES // section.element_size()
         for start in range(0, section.numel(), per_bucket):
-            dist.all_reduce(section[start:start + per_bucket], group=group)
+            dist.all_reduce(section[start : start + per_bucket], group=group)
         out, at = [], 0
         for key in got_grad:
-            out.append([bool(f) for f in flags[at:at + len(key)].tolist()])
+            out.append([bool(f) for f in flags[at : at + len(key)].tolist()])
             at += len(key)
         return out
 
@@ -346,8 +365,11 @@ class Handle:
                 "reduce-scattered (set_requires_gradient_sync(False) on the minibatch's last "
                 "microbatch?). Enable gradient sync for the last backward of every minibatch."
             )
-        if self._barrier_done and not self._stepped and any(
-                p.grad is not None and not _is_placeholder(p.grad) for p in self._params):
+        if (
+            self._barrier_done
+            and not self._stepped
+            and any(p.grad is not None and not _is_placeholder(p.grad) for p in self._params)
+        ):
             raise RuntimeError(
                 f"torch_odc: {self._where()}: a second minibatch_barrier() without "
                 "optimizer.step() since the last one would add this minibatch's gradients onto "
@@ -383,7 +405,8 @@ class Handle:
             raise RuntimeError(
                 f"torch_odc: {self._where()}: FSDP2 now all-gathers '{key.name}' in {dtype}, "
                 f"but it was attached with {key.gather_dtype}; re-attach after changing "
-                "parameter or mixed-precision dtypes")
+                "parameter or mixed-precision dtypes"
+            )
         return shards
 
     def _place_shards(self) -> None:
@@ -461,8 +484,14 @@ class Handle:
 
     def stats(self) -> dict:
         if self.collective_reason is not None:  # nothing of the engine's: FSDP2's own path
-            return {"on_demand": False, "collective_reason": self.collective_reason,
-                    "memory": {}, "gradient_memory": {}, "host_by_kind_s": {}, "host_s": 0.0}
+            return {
+                "on_demand": False,
+                "collective_reason": self.collective_reason,
+                "memory": {},
+                "gradient_memory": {},
+                "host_by_kind_s": {},
+                "host_s": 0.0,
+            }
         if self._released:  # the engine's counters at the release; no memory held
             out = dict(self._released_stats)
             out["region_bytes"] = 0
@@ -517,15 +546,24 @@ def _leave_region(key: _Key) -> None:
         grad = _fsdp2.sharded_grad(fp)
         if isinstance(grad, _NoGradBeforeBarrier):
             _fsdp2.set_grad(fp, None)
-        elif (key.grad_numels[index] and grad is not None
-              and key.span(index) is not None and _same_view(grad, key.span(index))):
+        elif (
+            key.grad_numels[index]
+            and grad is not None
+            and key.span(index) is not None
+            and _same_view(grad, key.span(index))
+        ):
             _fsdp2.set_grad(fp, grad.clone())
     key.set_accumulator(None)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _finalize(key: _Key, got_grad: list[bool]) -> None:
@@ -533,8 +571,7 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
     leave it after the minibatch: the reduced gradient, added to what ``.grad`` held before.
     Where the gradient dtype is the accumulator's (fp32 / fp64 models), ``.grad`` is a view of
     the accumulator span (no copy; released when this rank enters the next minibatch)."""
-    if (key.entered_clean and key.check_params() and key.fast_push
-            and key.calls.finalize(got_grad)):
+    if key.entered_clean and key.check_params() and key.fast_push and key.calls.finalize(got_grad):
         # Every prior None: .grad is the view where a gradient came, else None (one C++ call).
         key.entered_clean = False
         return

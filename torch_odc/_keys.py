@@ -39,9 +39,17 @@ class _Key:
         # mixed precision); they then move into the cache (no second copy of them). Otherwise
         # their all-gather input, copied in at each publish.
         source = _fsdp2.shard_dtype(unit)
-        self.cache_dtype = source if source is not None and (
-            source == self.gather_dtype or (source == torch.float32 and self.gather_dtype in (
-                torch.bfloat16, torch.float16))) else self.gather_dtype
+        self.cache_dtype = (
+            source
+            if source is not None
+            and (
+                source == self.gather_dtype
+                or (
+                    source == torch.float32 and self.gather_dtype in (torch.bfloat16, torch.float16)
+                )
+            )
+            else self.gather_dtype
+        )
         self.shard_numel = sum(_fsdp2.padded_shard_numel(fp) for fp in unit.params)
         # Frozen parameters have no accumulator span (and cost no accumulator memory).
         self.grad_numels = [
@@ -49,8 +57,9 @@ class _Key:
         ]
         self.accum_offsets = [sum(self.grad_numels[:i]) for i in range(len(unit.params))]
         # (index, FSDPParam) of the parameters with an accumulator span (fixed at attach).
-        self._trainable_params = [(i, fp) for i, fp in enumerate(unit.params)
-                                  if self.grad_numels[i]]
+        self._trainable_params = [
+            (i, fp) for i, fp in enumerate(unit.params) if self.grad_numels[i]
+        ]
         self.prev_all_gather, self.prev_reduce_scatter = _fsdp2.comms(unit)
         # Set by attach: the C++ side of this key's pushes (_C.KeyCalls): which parameters got a
         # gradient since the last push (noted by C++ hooks on the unsharded parameters'
@@ -123,8 +132,10 @@ class _Key:
 
     def _set_fast_views(self) -> None:
         # The barrier's .grad in C++ too, where each is the span's own view (no dtype cast).
-        if all(self.spans[i].dtype == _fsdp2.grad_dtype(self.unit.params[i])
-               for i in self._all_trainable):
+        if all(
+            self.spans[i].dtype == _fsdp2.grad_dtype(self.unit.params[i])
+            for i in self._all_trainable
+        ):
             self.calls.set_views([self.grad_view(i) for i in self._all_trainable])
 
     def grad_view(self, index: int):
@@ -132,7 +143,8 @@ class _Key:
         view = self._grad_views[index]
         if view is None:
             view = self._grad_views[index] = _fsdp2.sharded_dtensor(
-                self.unit.params[index], self.spans[index])
+                self.unit.params[index], self.spans[index]
+            )
         return view
 
     def push_scale(self, reduce_dtype: torch.dtype) -> float:
@@ -145,8 +157,14 @@ class _Key:
         return scale
 
     def spec(self) -> tuple:
-        return (self.name, self.shard_numel, _DTYPE_NAMES[self.gather_dtype], self.grad_numels,
-                _DTYPE_NAMES[self.accum_dtype], _DTYPE_NAMES[self.cache_dtype])
+        return (
+            self.name,
+            self.shard_numel,
+            _DTYPE_NAMES[self.gather_dtype],
+            self.grad_numels,
+            _DTYPE_NAMES[self.accum_dtype],
+            _DTYPE_NAMES[self.cache_dtype],
+        )
 
     def before_forward(self) -> None:
         t0 = perf_counter()
@@ -181,8 +199,11 @@ class _Key:
         grad requires it now."""
         params = _fsdp2.unsharded_params(self.unit)
         last = self._watched
-        if (last is not None and all(map(is_, params, last[0]))
-                and not (last[1] and any(p.requires_grad for p in last[1]))):
+        if (
+            last is not None
+            and all(map(is_, params, last[0]))
+            and not (last[1] and any(p.requires_grad for p in last[1]))
+        ):
             return
         self._watched = (params, [p for p in params if p is not None and not p.requires_grad])
         calls = self.calls
@@ -209,8 +230,11 @@ class _Key:
         self._hooked_params = _fsdp2.sharded_params(fp for _, fp in self._trainable_params)
         self._hooked_ids = _tensor_ids(self._hooked_params)
         for (index, _), param in zip(self._trainable_params, self._hooked_params):
-            self._grad_hooks.append(param.register_post_accumulate_grad_hook(
-                lambda p, i=index: self._drop_fsdp_grad(i, p)))
+            self._grad_hooks.append(
+                param.register_post_accumulate_grad_hook(
+                    lambda p, i=index: self._drop_fsdp_grad(i, p)
+                )
+            )
 
     def _drop_fsdp_grad(self, index: int, param) -> None:
         # `param` is the sharded parameter FSDP2 calls the hook with (its ``sharded_param``).
@@ -231,8 +255,11 @@ class _Key:
         if placeholder is None:
             size, stride, dtype, device = _fsdp2.grad_meta(fp)
             placeholder = self._placeholders[index] = _fsdp2.sharded_dtensor(
-                fp, _NoGradBeforeBarrier(size, stride, dtype, device,
-                                         _param_name(self.unit, index), self._where))
+                fp,
+                _NoGradBeforeBarrier(
+                    size, stride, dtype, device, _param_name(self.unit, index), self._where
+                ),
+            )
             self._all_placeholders = None
             self.disable_fast_push()
         _fsdp2.sharded_param(fp).grad = placeholder
@@ -251,8 +278,11 @@ class _Key:
         if reduced is self._all_reduced or (self.fast_push and self.calls.all_grads_set()):
             return  # every parameter reduced, or none whose .grad is None
         for index, fp in self._trainable_params:
-            if (prior[index] is None and index not in reduced
-                    and _fsdp2.sharded_param(fp).grad is None):
+            if (
+                prior[index] is None
+                and index not in reduced
+                and _fsdp2.sharded_param(fp).grad is None
+            ):
                 self.place_placeholder(index)
 
     def dropped_grads(self) -> list[str]:
@@ -260,10 +290,14 @@ class _Key:
         entered the minibatch, where that drops a gradient ODC cannot drop: one carried from
         the last minibatch (kept in the accumulator span), or one already pushed in this
         minibatch. Dropping before anything was carried or pushed changes nothing."""
-        return [_param_name(self.unit, i) for i, fp in enumerate(self.unit.params)
-                if self.grad_numels[i] and self.prior[i] is not _USER
-                and _fsdp2.sharded_param(fp).grad is None
-                and (self.prior[i] is not None or i in self.reduced)]
+        return [
+            _param_name(self.unit, i)
+            for i, fp in enumerate(self.unit.params)
+            if self.grad_numels[i]
+            and self.prior[i] is not _USER
+            and _fsdp2.sharded_param(fp).grad is None
+            and (self.prior[i] is not None or i in self.reduced)
+        ]
 
     def take_placeholders(self, params: list[int]) -> None:
         """Before FSDP2 sets the .grad of `params` after their reduce-scatter: removes their
@@ -284,15 +318,20 @@ class _Key:
         placeholders = self._placeholders
         grads = [_fsdp2.sharded_param(fps[i]).grad for i in params]
         if any(grad is None for grad in grads):
-            dropped = [_param_name(self.unit, i) for i, grad in zip(params, grads)
-                       if grad is None and prior[i] is not _USER
-                       and (prior[i] is not None or i in reduced)]
+            dropped = [
+                _param_name(self.unit, i)
+                for i, grad in zip(params, grads)
+                if grad is None and prior[i] is not _USER and (prior[i] is not None or i in reduced)
+            ]
             if dropped:
                 raise RuntimeError(_dropped_message(self._where(), dropped))
         self.reduced = reduced.union(params)
         for index, grad in zip(params, grads):
-            if grad is not None and prior[index] is not _USER and (
-                    grad is placeholders[index] or _is_placeholder(grad)):
+            if (
+                grad is not None
+                and prior[index] is not _USER
+                and (grad is placeholders[index] or _is_placeholder(grad))
+            ):
                 _fsdp2.sharded_param(fps[index]).grad = None
 
     def _make_all_placeholders(self) -> list | None:
@@ -334,7 +373,8 @@ class _Key:
         this returns False. Runs when this rank enters a minibatch and at the barrier."""
         params = _fsdp2.sharded_params(fp for _, fp in self._trainable_params)
         if all(map(is_, params, self._hooked_params)) and all(
-                map(int.__eq__, _tensor_ids(params), self._hooked_ids)):
+            map(int.__eq__, _tensor_ids(params), self._hooked_ids)
+        ):
             return True
         self.disable_fast_push()
         self.hook_sharded_grads()
@@ -357,7 +397,8 @@ class _Key:
             self._all_trainable_set = set(self._all_trainable)
             self._all_numel = sum(self.grad_numels[i] for i in self._all_trainable)
             self._all_in_key_order = self._all_trainable == [
-                i for i, n in enumerate(self.grad_numels) if n]
+                i for i, n in enumerate(self.grad_numels) if n
+            ]
             self._all_fps = [self.unit.params[i] for i in self._all_trainable]
             self._all_reduced = frozenset(self._all_trainable)
             self._all_placeholders = None

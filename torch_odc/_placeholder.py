@@ -23,7 +23,8 @@ class _NoGradBeforeBarrier(torch.Tensor):
     @staticmethod
     def __new__(cls, size, stride, dtype, device, param: str, where):
         self = torch.Tensor._make_wrapper_subclass(
-            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False)
+            cls, size, strides=stride, dtype=dtype, device=device, requires_grad=False
+        )
         self._param, self._where = param, where
         return self
 

@@ -36,8 +36,11 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
         )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
@@ -51,8 +54,9 @@ class TinyDecoder(nn.Module):
     what its documents would compute one by one.
     """
 
-    def __init__(self, vocab: int = 512, dim: int = 64, layers: int = 2, heads: int = 4,
-                 max_len: int = 1024):
+    def __init__(
+        self, vocab: int = 512, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 1024
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
@@ -112,8 +116,13 @@ def _train(rank: int, args, store_path: str, results) -> None:
     else:  # ranks share the host's cores: one intra-op thread each, no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     store = dist.FileStore(store_path, args.world_size)
-    dist.init_process_group("odc", store=store, rank=rank, world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "odc",
+        store=store,
+        rank=rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=300),
+    )
     world = args.world_size
     odc = args.mode == "odc"
     # A sequence over the cap gets a microbatch of its own: expected here, not worth a warning.
@@ -126,12 +135,20 @@ def _train(rank: int, args, store_path: str, results) -> None:
         handle = torch_odc.attach(model) if odc else None
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         for mb in range(args.minibatches):
-            lengths = sequence_lengths(mb, -1, world * args.sequences_per_rank,
-                                       args.min_len, args.max_len - 1)
+            lengths = sequence_lengths(
+                mb, -1, world * args.sequences_per_rank, args.min_len, args.max_len - 1
+            )
             # LB-Mini when ranks synchronize once per minibatch, LB-Micro for collectives.
-            p = balance.plan(lengths, world, args.max_tokens, mode="mini" if odc else "micro",
-                             cost="flops", num_params=1e6, num_layers=args.layers,
-                             hidden_size=args.dim)
+            p = balance.plan(
+                lengths,
+                world,
+                args.max_tokens,
+                mode="mini" if odc else "micro",
+                cost="flops",
+                num_params=1e6,
+                num_layers=args.layers,
+                hidden_size=args.dim,
+            )
             total_tokens = sum(lengths)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -169,8 +186,16 @@ def _train(rank: int, args, store_path: str, results) -> None:
             per_rank = [None] * world
             dist.all_gather_object(per_rank, (len(p.microbatches[rank]), busy, wait))
             if rank == 0:
-                results.put((mb, loss_sum.item() / total_tokens, total_tokens, busy + wait,
-                             per_rank, p.makespan / p.lower_bound))
+                results.put(
+                    (
+                        mb,
+                        loss_sum.item() / total_tokens,
+                        total_tokens,
+                        busy + wait,
+                        per_rank,
+                        p.makespan / p.lower_bound,
+                    )
+                )
         if handle is not None:
             handle.detach()
     finally:
@@ -183,17 +208,29 @@ def run(args) -> list[tuple]:
     results = ctx.SimpleQueue()
     # Rendezvous in a fresh file (no port to pick: demos running side by side cannot collide).
     with tempfile.TemporaryDirectory(prefix="odc-demo-") as tmp:
-        mp.start_processes(_train, args=(args, os.path.join(tmp, "store"), results),
-                           nprocs=args.world_size, start_method="spawn", join=True)
+        mp.start_processes(
+            _train,
+            args=(args, os.path.join(tmp, "store"), results),
+            nprocs=args.world_size,
+            start_method="spawn",
+            join=True,
+        )
     return sorted((results.get() for _ in range(args.minibatches)), key=lambda r: r[0])
 
 
 def _print_table(mode: str, rows) -> None:
-    print(f"\n{mode}: FSDP2 over 'odc' "
-          + ("with torch_odc.attach (LB-Mini plans)" if mode == "odc"
-             else "with collective semantics (LB-Micro plans)"))
-    print(f"{'minibatch':>9} {'loss/token':>11} {'tokens':>7} {'time (s)':>9} {'plan/LB':>8}  "
-          "per rank: microbatches busy/wait (s)")
+    print(
+        f"\n{mode}: FSDP2 over 'odc' "
+        + (
+            "with torch_odc.attach (LB-Mini plans)"
+            if mode == "odc"
+            else "with collective semantics (LB-Micro plans)"
+        )
+    )
+    print(
+        f"{'minibatch':>9} {'loss/token':>11} {'tokens':>7} {'time (s)':>9} {'plan/LB':>8}  "
+        "per rank: microbatches busy/wait (s)"
+    )
     for mb, loss, tokens, elapsed, per_rank, ratio in rows:
         ranks = "  ".join(f"r{r}:{n} {b:.2f}/{w:.2f}" for r, (n, b, w) in enumerate(per_rank))
         print(f"{mb:>9} {loss:>11.5f} {tokens:>7} {elapsed:>9.3f} {ratio:>8.3f}  {ranks}")
@@ -202,11 +239,19 @@ def _print_table(mode: str, rows) -> None:
 def main(argv=None) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["odc", "collective", "both"], default="both",
-                        help="odc: attach + one barrier per minibatch; collective: plain FSDP2")
+    parser.add_argument(
+        "--mode",
+        choices=["odc", "collective", "both"],
+        default="both",
+        help="odc: attach + one barrier per minibatch; collective: plain FSDP2",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpus >= 2 else "cpu")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="ranks to spawn (default: every GPU, or 4 on CPU)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: every GPU, or 4 on CPU)",
+    )
     parser.add_argument("--minibatches", type=int, default=4)
     parser.add_argument("--sequences-per-rank", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128, help="token cap per microbatch")
@@ -224,12 +269,17 @@ def main(argv=None) -> None:
         import torch_odc
 
         if not torch_odc._C._has_cuda_transport():
-            print("note: this build has no CUDA transport; on GPUs attach() keeps collective "
-                  "semantics")
+            print(
+                "note: this build has no CUDA transport; on GPUs attach() keeps collective "
+                "semantics"
+            )
 
-    print(f"torch-odc demo: {args.world_size} {args.device} ranks, "
-          f"{args.sequences_per_rank} variable-length sequences per rank per minibatch, "
-          f"microbatch cap {args.max_tokens} tokens (torch {torch.__version__})", flush=True)
+    print(
+        f"torch-odc demo: {args.world_size} {args.device} ranks, "
+        f"{args.sequences_per_rank} variable-length sequences per rank per minibatch, "
+        f"microbatch cap {args.max_tokens} tokens (torch {torch.__version__})",
+        flush=True,
+    )
     modes = ["collective", "odc"] if args.mode == "both" else [args.mode]
     losses = {}
     for mode in modes:

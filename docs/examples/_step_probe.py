@@ -24,19 +24,30 @@ import time
 import torch
 import torch.distributed as dist
 
-ALLOCATOR = {"num_device_alloc": "cuda_mallocs", "num_device_free": "cuda_frees",
-             "num_alloc_retries": "alloc_retries"}
+ALLOCATOR = {
+    "num_device_alloc": "cuda_mallocs",
+    "num_device_free": "cuda_frees",
+    "num_alloc_retries": "alloc_retries",
+}
 PER_RANK = ("host_seconds", "profile")  # kept per rank by gather_max, not reduced
 
 
 def add_arguments(ap) -> None:
     """The examples' ``--profile-steps`` (what :class:`StepProbe` takes)."""
-    ap.add_argument("--profile-steps", type=lambda v: sorted({int(x) for x in v.split(",") if x}),
-                    default=[], help="comma-separated steps to run under torch.profiler "
-                    "(their records get the top ops; see _step_probe.py)")
-    ap.add_argument("--profile-trace", default=None, metavar="DIR",
-                    help="also write each profiled step's Chrome trace there, per rank "
-                    "(step<N>_rank<R>.json.gz; benchmarks/trace_phases.py reads them)")
+    ap.add_argument(
+        "--profile-steps",
+        type=lambda v: sorted({int(x) for x in v.split(",") if x}),
+        default=[],
+        help="comma-separated steps to run under torch.profiler "
+        "(their records get the top ops; see _step_probe.py)",
+    )
+    ap.add_argument(
+        "--profile-trace",
+        default=None,
+        metavar="DIR",
+        help="also write each profiled step's Chrome trace there, per rank "
+        "(step<N>_rank<R>.json.gz; benchmarks/trace_phases.py reads them)",
+    )
 
 
 class StepProbe:
@@ -49,8 +60,7 @@ class StepProbe:
 
     TOP = 15
 
-    def __init__(self, profile_steps=(), device_only: bool = False,
-                 trace_dir: str | None = None):
+    def __init__(self, profile_steps=(), device_only: bool = False, trace_dir: str | None = None):
         self.profile_steps = set(profile_steps)
         self.device_only = device_only  # CUDA activity only (no host ops)
         self.trace_dir = trace_dir  # each profiled step's Chrome trace, per rank
@@ -88,9 +98,13 @@ class StepProbe:
         counters over the step (``cuda_mallocs``, ``cuda_frees``, ``alloc_retries``); ``host``:
         the ODC trainer's ``host_seconds`` of the step on this rank, kept per rank."""
         counters = self._allocator()
-        self.per_step.append({"jit_seconds": self.total - self._taken,
-                              **{f"{k}_jit_seconds": v for k, v in parts.items()},
-                              **{k: v - self._counters.get(k, 0) for k, v in counters.items()}})
+        self.per_step.append(
+            {
+                "jit_seconds": self.total - self._taken,
+                **{f"{k}_jit_seconds": v for k, v in parts.items()},
+                **{k: v - self._counters.get(k, 0) for k, v in counters.items()},
+            }
+        )
         if host is not None:
             self.per_step[-1]["host_seconds"] = host
         self._taken, self._counters = self.total, counters
@@ -102,8 +116,9 @@ class StepProbe:
 
                 os.makedirs(self.trace_dir, exist_ok=True)
                 rank = dist.get_rank() if dist.is_initialized() else 0
-                self._profiler.export_chrome_trace(os.path.join(
-                    self.trace_dir, f"step{len(self.per_step)}_rank{rank}.json.gz"))
+                self._profiler.export_chrome_trace(
+                    os.path.join(self.trace_dir, f"step{len(self.per_step)}_rank{rank}.json.gz")
+                )
             self._profiler = None
         if len(self.per_step) + 1 in self.profile_steps:
             self._start_profiler()
@@ -111,8 +126,9 @@ class StepProbe:
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [] if self.device_only and torch.cuda.is_available() else \
-            [ProfilerActivity.CPU]
+        activities = (
+            [] if self.device_only and torch.cuda.is_available() else [ProfilerActivity.CPU]
+        )
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(activities=activities)
@@ -123,18 +139,25 @@ class StepProbe:
         events = list(profiler.key_averages())
 
         def row(e):
-            return [e.key, e.count, round(e.self_cpu_time_total / 1e3, 3),
-                    round(getattr(e, "self_device_time_total", 0.0) / 1e3, 3)]
+            return [
+                e.key,
+                e.count,
+                round(e.self_cpu_time_total / 1e3, 3),
+                round(getattr(e, "self_device_time_total", 0.0) / 1e3, 3),
+            ]
 
         def top(key):
-            return [row(e) for e in sorted(events, key=key, reverse=True)[:cls.TOP]]
+            return [row(e) for e in sorted(events, key=key, reverse=True)[: cls.TOP]]
 
-        return {**cls._busy(profiler),
-                "columns": ["op", "calls", "self_cpu_ms", "self_device_ms"],
-                "cpu": top(lambda e: e.self_cpu_time_total),
-                "device": top(lambda e: getattr(e, "self_device_time_total", 0.0)),
-                "allocation": [row(e) for e in events
-                               if e.key.startswith(("cudaMalloc", "cudaFree", "cuMem"))]}
+        return {
+            **cls._busy(profiler),
+            "columns": ["op", "calls", "self_cpu_ms", "self_device_ms"],
+            "cpu": top(lambda e: e.self_cpu_time_total),
+            "device": top(lambda e: getattr(e, "self_device_time_total", 0.0)),
+            "allocation": [
+                row(e) for e in events if e.key.startswith(("cudaMalloc", "cudaFree", "cuMem"))
+            ],
+        }
 
     @staticmethod
     def _busy(profiler) -> dict:
@@ -143,8 +166,11 @@ class StepProbe:
         device was while the step ran on it (the rest: waiting for the host or a peer)."""
         from torch.autograd import DeviceType
 
-        spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
-                       if e.device_type == DeviceType.CUDA)
+        spans = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in profiler.events()
+            if e.device_type == DeviceType.CUDA
+        )
         if not spans:
             return {}
         busy, start, end = 0.0, spans[0][0], spans[0][1]
@@ -153,8 +179,10 @@ class StepProbe:
                 busy, start = busy + end - start, a
             end = max(end, b)
         busy += end - start
-        return {"device_busy_ms": round(busy / 1e3, 3),
-                "device_span_ms": round((max(b for _, b in spans) - spans[0][0]) / 1e3, 3)}
+        return {
+            "device_busy_ms": round(busy / 1e3, 3),
+            "device_span_ms": round((max(b for _, b in spans) - spans[0][0]) / 1e3, 3),
+        }
 
     @staticmethod
     def _allocator() -> dict:
@@ -173,8 +201,16 @@ class StepProbe:
         for i in range(max(len(x) for x in lists)):
             rows = [x[i] for x in lists if i < len(x)]
             keys = dict.fromkeys(k for r in rows for k in r)
-            out.append({k: ([r.get(k) for r in rows] if k in PER_RANK
-                            else max(r.get(k, 0.0) for r in rows)) for k in keys})
+            out.append(
+                {
+                    k: (
+                        [r.get(k) for r in rows]
+                        if k in PER_RANK
+                        else max(r.get(k, 0.0) for r in rows)
+                    )
+                    for k in keys
+                }
+            )
         return out
 
 
@@ -203,15 +239,21 @@ class BatchProbe:
         self.per_step: list[dict] = []
         self._now: dict = self._empty()
         model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-        attention = next((m for name, m in model.named_modules()
-                          if name.endswith("self_attn")), None)
+        attention = next(
+            (m for name, m in model.named_modules() if name.endswith("self_attn")), None
+        )
         if attention is not None:
             attention.register_forward_pre_hook(self._on_attention, with_kwargs=True)
 
     @staticmethod
     def _empty() -> dict:
-        return {"widths": [], "rows": [], "position_ids": False, "attention_mask": False,
-                "masks": []}
+        return {
+            "widths": [],
+            "rows": [],
+            "position_ids": False,
+            "attention_mask": False,
+            "masks": [],
+        }
 
     def _on_forward(self, _module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -242,11 +284,15 @@ class BatchProbe:
         out = []
         for i in range(max(len(x) for x in lists)):
             rows = [x[i] if i < len(x) else self._empty() for x in lists]
-            out.append({"widths_per_rank": [r["widths"] for r in rows],
-                        "rows_per_rank": [r["rows"] for r in rows],
-                        "position_ids": any(r["position_ids"] for r in rows),
-                        "attention_mask": any(r["attention_mask"] for r in rows),
-                        "attention_masks": sorted({k for r in rows for k in r["masks"]})})
+            out.append(
+                {
+                    "widths_per_rank": [r["widths"] for r in rows],
+                    "rows_per_rank": [r["rows"] for r in rows],
+                    "position_ids": any(r["position_ids"] for r in rows),
+                    "attention_mask": any(r["attention_mask"] for r in rows),
+                    "attention_masks": sorted({k for r in rows for k in r["masks"]}),
+                }
+            )
         return out
 
 
@@ -302,7 +348,14 @@ def attention_record(model, sdpa_backends: bool = True) -> dict:
     out = {"implementation": getattr(config, "_attn_implementation", None)}
     if sdpa_backends and torch.cuda.is_available():
         b = torch.backends.cuda
-        out["sdpa_backends_enabled"] = [name for name, on in (
-            ("cudnn", b.cudnn_sdp_enabled()), ("flash", b.flash_sdp_enabled()),
-            ("efficient", b.mem_efficient_sdp_enabled()), ("math", b.math_sdp_enabled())) if on]
+        out["sdpa_backends_enabled"] = [
+            name
+            for name, on in (
+                ("cudnn", b.cudnn_sdp_enabled()),
+                ("flash", b.flash_sdp_enabled()),
+                ("efficient", b.mem_efficient_sdp_enabled()),
+                ("math", b.math_sdp_enabled()),
+            )
+            if on
+        ]
     return out

@@ -33,15 +33,33 @@ from torch_odc import balance
 
 # Model sizes (LlamaConfig arguments). "tiny" is what the CPU test trains.
 SIZES = {
-    "tiny": {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 128},
-    "small": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "max_position_embeddings": 2048},
-    "medium": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
-               "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8,
-               "max_position_embeddings": 4096},
+    "tiny": {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    },
+    "small": {
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+    },
+    "medium": {
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+    },
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 IGNORE = -100
@@ -56,8 +74,13 @@ def build_model(size: str = "tiny", lora: bool = True, seed: int = 0, lora_rank:
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
-                            target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=lora_rank,
+            lora_alpha=2 * lora_rank,
+            lora_dropout=0.0,
+            target_modules=LORA_TARGETS,
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, config)
         # peft initializes lora_B to zeros, so the first step would only move B. Give B small
         # random values so that every adapter weight trains from the start (a test sees more).
@@ -80,8 +103,9 @@ def shard(model, mesh, bf16: bool):
 
     kwargs = {"mesh": mesh}
     if bf16:  # bf16 compute and all-gathers, fp32 gradient reduction
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     return fully_shard(model, **kwargs)
@@ -116,8 +140,9 @@ def summed_token_loss(model, seqs, device):
     """Cross entropy summed over every predicted token of the sequences."""
     ids, mask, labels = collate(seqs, device)
     logits = model(input_ids=ids, attention_mask=mask).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                           ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def full_params(model) -> dict:
@@ -129,11 +154,27 @@ def full_params(model) -> dict:
     return out
 
 
-def train(rank: int, world: int, *, size: str = "tiny", lora: bool = True,
-          minibatches: int = 4, sequences: int = 8, min_len: int = 8, max_len: int = 48,
-          max_tokens_per_microbatch: int = 96, plans=None, attach: bool = True,
-          device: str | None = None, bf16: bool | None = None, optimizer: str = "adamw",
-          lr: float = 1e-3, seed: int = 0, return_params: bool = False, log=None) -> dict:
+def train(
+    rank: int,
+    world: int,
+    *,
+    size: str = "tiny",
+    lora: bool = True,
+    minibatches: int = 4,
+    sequences: int = 8,
+    min_len: int = 8,
+    max_len: int = 48,
+    max_tokens_per_microbatch: int = 96,
+    plans=None,
+    attach: bool = True,
+    device: str | None = None,
+    bf16: bool | None = None,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    seed: int = 0,
+    return_params: bool = False,
+    log=None,
+) -> dict:
     """Trains on this rank; call it on every rank of an initialized process group.
 
     ``plans[mb][r]`` (optional) is rank r's list of microbatches in minibatch mb, each a list of
@@ -146,16 +187,22 @@ def train(rank: int, world: int, *, size: str = "tiny", lora: bool = True,
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else (
-        torch.device("cpu"))
+    dev = (
+        torch.device(device, torch.cuda.current_device())
+        if device == "cuda"
+        else (torch.device("cpu"))
+    )
     bf16 = (device == "cuda") if bf16 is None else bf16
     model = build_model(size, lora, seed).to(dev)
     model = shard(model, init_device_mesh(device, (world,)), bf16)
     handle = torch_odc.attach(model) if attach else None
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = (torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0) if optimizer == "adamw"
-           else torch.optim.SGD(trainable, lr=lr, momentum=0.9))
+    opt = (
+        torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+        if optimizer == "adamw"
+        else torch.optim.SGD(trainable, lr=lr, momentum=0.9)
+    )
     vocab = SIZES[size]["vocab_size"]
     losses, counts = [], []
     for mb in range(minibatches):
@@ -163,9 +210,14 @@ def train(rank: int, world: int, *, size: str = "tiny", lora: bool = True,
         lengths = [len(s) for s in seqs]
         loss_tokens = [n - 1 for n in lengths]  # every token but the first is predicted
         if plans is None:
-            share = balance.plan_for_rank(lengths, world, rank, max_tokens_per_microbatch,
-                                          mode="mini" if attach else "micro",
-                                          loss_tokens=loss_tokens)
+            share = balance.plan_for_rank(
+                lengths,
+                world,
+                rank,
+                max_tokens_per_microbatch,
+                mode="mini" if attach else "micro",
+                loss_tokens=loss_tokens,
+            )
             mine, num_tokens = share.microbatches, share.num_tokens
             scale = share.loss_scale()  # FSDP2 averages over ranks: world / num_tokens
         else:
@@ -219,12 +271,20 @@ def main() -> None:
     dist.init_process_group(backend="odc")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        out = train(rank, world, size=args.size, lora=not args.no_lora,
-                    minibatches=args.minibatches, sequences=args.sequences,
-                    min_len=args.min_len, max_len=args.max_len,
-                    max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                    attach=not args.no_attach, lr=args.lr,
-                    log=(lambda s: print(f"[rank {rank}] {s}", flush=True)))
+        out = train(
+            rank,
+            world,
+            size=args.size,
+            lora=not args.no_lora,
+            minibatches=args.minibatches,
+            sequences=args.sequences,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+            attach=not args.no_attach,
+            lr=args.lr,
+            log=(lambda s: print(f"[rank {rank}] {s}", flush=True)),
+        )
         if rank == 0:
             print(f"losses: {[round(x, 4) for x in out['losses']]}", flush=True)
     finally:

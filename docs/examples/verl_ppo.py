@@ -47,23 +47,51 @@ import torch_odc
 import torch_odc.integrations.verl  # noqa: F401  (registers the "odc" engines)
 
 SIZES = {  # Qwen2Config arguments
-    "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
-    "small": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
-    "medium": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
-               "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 8},
+    "tiny": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "small": {
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "medium": {
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
     # 1.1e9 parameters (the Llama-1B shape of benchmarks/bench_e2e.py as a Qwen2).
-    "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
-           "num_hidden_layers": 19, "num_attention_heads": 16, "num_key_value_heads": 8},
+    "1b": {
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 19,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
 }
 
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", choices=["both", "odc", "fsdp2"], default="both")
-    p.add_argument("--balance", choices=["local", "mini"], default="local",
-                   help="odc_balance of the odc engine")
+    p.add_argument(
+        "--balance",
+        choices=["local", "mini"],
+        default="local",
+        help="odc_balance of the odc engine",
+    )
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the mean time")
@@ -71,23 +99,35 @@ def parse():
     p.add_argument("--prompt", type=int, default=16, help="longest prompt")
     p.add_argument("--response", type=int, default=96, help="longest response")
     p.add_argument("--max-tokens", type=int, default=128, help="max_token_len_per_gpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                   help="parameters in the forward (default: bf16 on GPUs, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="parameters in the forward (default: bf16 on GPUs, fp32 on CPU)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=None, help="directory for the JSON log")
     step_probe.add_arguments(p)
-    p.add_argument("--profile-device-only", action="store_true",
-                   help="profile kernels and copies only (a step of many host ops otherwise "
-                   "takes minutes to summarize)")
+    p.add_argument(
+        "--profile-device-only",
+        action="store_true",
+        help="profile kernels and copies only (a step of many host ops otherwise "
+        "takes minutes to summarize)",
+    )
     return p.parse_args()
 
 
 def build_model(args, path: str) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SIZES[args.size], max_position_embeddings=args.prompt + args.response,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = Qwen2Config(
+        **SIZES[args.size],
+        max_position_embeddings=args.prompt + args.response,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
 
@@ -115,18 +155,23 @@ def rollout_batch(args, step: int):
     attention = torch.zeros(n, p_max + r_max, dtype=torch.long)
     for i, r in enumerate(responses):
         p = int(torch.randint(2, p_max + 1, (1,), generator=g))
-        prompts[i, p_max - p:] = torch.randint(3, vocab, (p,), generator=g)
+        prompts[i, p_max - p :] = torch.randint(3, vocab, (p,), generator=g)
         response_ids[i, :r] = torch.randint(3, vocab, (r,), generator=g)
-        attention[i, p_max - p:p_max + r] = 1
+        attention[i, p_max - p : p_max + r] = 1
     base = -torch.log(torch.tensor(float(vocab)))
-    td = TensorDict({
-        "prompts": prompts, "responses": response_ids,
-        "input_ids": torch.cat([prompts, response_ids], dim=1), "attention_mask": attention,
-        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": attention[:, p_max:].clone(),
-        "old_log_probs": base + 0.1 * torch.randn(n, r_max, generator=g),
-        "advantages": torch.randn(n, r_max, generator=g),
-    }, batch_size=[n])
+    td = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": response_ids,
+            "input_ids": torch.cat([prompts, response_ids], dim=1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": attention[:, p_max:].clone(),
+            "old_log_probs": base + 0.1 * torch.randn(n, r_max, generator=g),
+            "advantages": torch.randn(n, r_max, generator=g),
+        },
+        batch_size=[n],
+    )
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=1.0)
     return td, attention.sum(-1)
@@ -138,8 +183,9 @@ def dispatch(td, seqlens, world: int, rank: int):
     from verl.utils import tensordict_utils as tu
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
-    parts = get_seqlen_balanced_partitions(calculate_workload(seqlens).tolist(), world,
-                                           equal_size=True)
+    parts = get_seqlen_balanced_partitions(
+        calculate_workload(seqlens).tolist(), world, equal_size=True
+    )
     return tu.index_select_tensor_dict(td, sorted(parts[rank]))
 
 
@@ -156,21 +202,34 @@ def make_worker(args, strategy: str, path: str):
     from torch_odc.integrations.verl import ODCEngineConfig
 
     dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
-    engine = {"strategy": strategy, "model_dtype": "fp32", "use_torch_compile": False,
-              "mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32",
-                                  "buffer_dtype": "fp32"},
-              "use_dynamic_bsz": True, "max_token_len_per_gpu": args.max_tokens,
-              "infer_max_token_len_per_gpu": args.max_tokens}
-    engine = (ODCEngineConfig(**engine, odc_balance=args.balance) if strategy == "odc"
-              else FSDPEngineConfig(**engine))
+    engine = {
+        "strategy": strategy,
+        "model_dtype": "fp32",
+        "use_torch_compile": False,
+        "mixed_precision": {"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": args.max_tokens,
+        "infer_max_token_len_per_gpu": args.max_tokens,
+    }
+    engine = (
+        ODCEngineConfig(**engine, odc_balance=args.balance)
+        if strategy == "odc"
+        else FSDPEngineConfig(**engine)
+    )
     config = TrainingWorkerConfig(
         model_type="language_model",
-        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False,
-                                   override_config={"attn_implementation": "sdpa"}),
+        model_config=HFModelConfig(
+            path=path,
+            load_tokenizer=False,
+            use_remove_padding=False,
+            override_config={"attn_implementation": "sdpa"},
+        ),
         engine_config=engine,
-        optimizer_config=FSDPOptimizerConfig(lr=args.lr, weight_decay=0.0, clip_grad=1.0,
-                                             total_training_steps=args.steps),
-        checkpoint_config=CheckpointConfig())
+        optimizer_config=FSDPOptimizerConfig(
+            lr=args.lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=args.steps
+        ),
+        checkpoint_config=CheckpointConfig(),
+    )
     torch.manual_seed(1)
     worker = TrainingWorker(config)
     worker.reset()
@@ -183,8 +242,12 @@ def actor_loss():
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
     from verl.workers.utils.losses import ppo_loss
 
-    config = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True,
-                             fsdp_config=FSDPEngineConfig(strategy="fsdp2"))
+    config = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        fsdp_config=FSDPEngineConfig(strategy="fsdp2"),
+    )
     return partial(ppo_loss, config)
 
 
@@ -201,8 +264,9 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     worker = make_worker(args, strategy, path)
     worker.set_loss_fn(actor_loss())
     steps = []
-    probe = step_probe.StepProbe(args.profile_steps, device_only=args.profile_device_only,
-                                 trace_dir=args.profile_trace)
+    probe = step_probe.StepProbe(
+        args.profile_steps, device_only=args.profile_device_only, trace_dir=args.profile_trace
+    )
     for step in range(args.steps):
         td, seqlens = rollout_batch(args, step)
         data = dispatch(td, seqlens, world, rank)
@@ -211,8 +275,14 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         dist.all_gather_object(counts, local_count(data))
         dispatched = [None] * world  # each rank's tokens as verl's driver hands them out
         dist.all_gather_object(dispatched, int(sum(engine_row_lengths(data))))
-        tu.assign_non_tensor(data, global_batch_size=len(td), mini_batch_size=len(td), epochs=1,
-                             seed=0, dataloader_kwargs={"shuffle": False})
+        tu.assign_non_tensor(
+            data,
+            global_batch_size=len(td),
+            mini_batch_size=len(td),
+            epochs=1,
+            seed=0,
+            dataloader_kwargs={"shuffle": False},
+        )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dist.barrier()
@@ -227,28 +297,43 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
         ran, worked = [None] * world, [None] * world
         dist.all_gather_object(ran, odc[-1]["microbatches"] if odc else max(counts))
         dist.all_gather_object(worked, odc[-1]["tokens"] if odc else dispatched[rank])
-        steps.append({"step": step, "seconds": seconds, "needed": counts, "ran": ran,
-                      "microbatches": ran, "sequences": len(td), "tokens": int(seqlens.sum()),
-                      # each rank's tokens as it ran them and as verl's driver dispatched
-                      # them (the planner's bound: the slowest rank's, summed over steps)
-                      "padded_per_rank": worked, "plain_padded_per_rank": dispatched,
-                      # rows that changed rank, and LB-Mini's seconds (plan and exchange)
-                      "moved": odc[-1]["moved"] if odc else 0,
-                      "balance_seconds": odc[-1]["balance_seconds"] if odc else 0.0,
-                      "loss": float(metrics["loss"][0]),
-                      "grad_norm": float(metrics["grad_norm"][0]),
-                      "pg_loss": float(metrics["actor/pg_loss"][0])})
+        steps.append(
+            {
+                "step": step,
+                "seconds": seconds,
+                "needed": counts,
+                "ran": ran,
+                "microbatches": ran,
+                "sequences": len(td),
+                "tokens": int(seqlens.sum()),
+                # each rank's tokens as it ran them and as verl's driver dispatched
+                # them (the planner's bound: the slowest rank's, summed over steps)
+                "padded_per_rank": worked,
+                "plain_padded_per_rank": dispatched,
+                # rows that changed rank, and LB-Mini's seconds (plan and exchange)
+                "moved": odc[-1]["moved"] if odc else 0,
+                "balance_seconds": odc[-1]["balance_seconds"] if odc else 0.0,
+                "loss": float(metrics["loss"][0]),
+                "grad_norm": float(metrics["grad_norm"][0]),
+                "pg_loss": float(metrics["actor/pg_loss"][0]),
+            }
+        )
         if rank == 0:
             s = steps[-1]
-            print(f"[{strategy:5}] step {step}: {seconds:7.3f} s  microbatches per rank "
-                  f"{s['ran']} (needed {s['needed']})  loss {s['loss']:+.6f}  "
-                  f"grad_norm {s['grad_norm']:.6f}", flush=True)
+            print(
+                f"[{strategy:5}] step {step}: {seconds:7.3f} s  microbatches per rank "
+                f"{s['ran']} (needed {s['needed']})  loss {s['loss']:+.6f}  "
+                f"grad_norm {s['grad_norm']:.6f}",
+                flush=True,
+            )
     for s, probed in zip(steps, probe.gather_max()):
         s.update(probed)
     from torch.distributed.tensor import DTensor
 
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
-              for n, p in worker.engine.module.named_parameters()}
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
+        for n, p in worker.engine.module.named_parameters()
+    }
     handle = getattr(worker.engine, "odc_handle", None)
     peak = None
     if torch.cuda.is_available():
@@ -298,8 +383,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     # The model's files (hundreds of MB) go beside the run, not into --out (results only): one
     # folder per torchrun (its rendezvous port), removed at the end.
-    path = os.path.join(tempfile.gettempdir(), f"verl_ppo_model_{args.size}_"
-                        f"{os.environ.get('MASTER_PORT', os.getppid())}")
+    path = os.path.join(
+        tempfile.gettempdir(),
+        f"verl_ppo_model_{args.size}_{os.environ.get('MASTER_PORT', os.getppid())}",
+    )
     if rank == 0:
         build_model(args, path)
     dist.barrier()
@@ -312,32 +399,51 @@ def main() -> None:
     if rank == 0:
         summary = {}
         for s, r in results.items():
-            timed = [x["seconds"] for x in r["steps"][args.warmup:]] or [float("nan")]
+            timed = [x["seconds"] for x in r["steps"][args.warmup :]] or [float("nan")]
             summary[s] = sum(timed) / len(timed)
-            print(f"{s}: {summary[s]:.3f} s per update step (mean of {len(timed)}), "
-                  f"microbatches per rank and step {[x['ran'] for x in r['steps']]}")
+            print(
+                f"{s}: {summary[s]:.3f} s per update step (mean of {len(timed)}), "
+                f"microbatches per rank and step {[x['ran'] for x in r['steps']]}"
+            )
         if len(results) == 2:
-            diff = max((results["odc"]["params"][n] - results["fsdp2"]["params"][n]).abs().max()
-                       .item() for n in results["odc"]["params"])
+            diff = max(
+                (results["odc"]["params"][n] - results["fsdp2"]["params"][n]).abs().max().item()
+                for n in results["odc"]["params"]
+            )
             print(f"largest parameter difference odc vs fsdp2 after {args.steps} steps: {diff:.3g}")
             summary["max_param_diff"] = diff
         if args.out and len(results) == 1:  # one strategy: the log benchmarks/bench_trl.py reads
-            (strategy, r), = results.items()
-            meta = {"strategy": strategy, "balance": args.balance, "world": world,
-                    "size": args.size, "args": vars(args), "peak_memory_gib":
-                    r["peak_memory_gib"], "versions": versions(),
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                    else "cpu"}
+            ((strategy, r),) = results.items()
+            meta = {
+                "strategy": strategy,
+                "balance": args.balance,
+                "world": world,
+                "size": args.size,
+                "args": vars(args),
+                "peak_memory_gib": r["peak_memory_gib"],
+                "versions": versions(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            }
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "verl_ppo_log.json"), "w") as f:
                 json.dump({"meta": meta, "steps": r["steps"]}, f, indent=1)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"verl_ppo_{args.size}.json"), "w") as f:
-                json.dump({"args": vars(args), "world": world, "summary": summary,
-                           "steps": {s: r["steps"] for s, r in results.items()},
-                           "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                           else "cpu", "torch": torch.__version__}, f, indent=1)
+                json.dump(
+                    {
+                        "args": vars(args),
+                        "world": world,
+                        "summary": summary,
+                        "steps": {s: r["steps"] for s, r in results.items()},
+                        "device": torch.cuda.get_device_name()
+                        if torch.cuda.is_available()
+                        else "cpu",
+                        "torch": torch.__version__,
+                    },
+                    f,
+                    indent=1,
+                )
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)

@@ -132,30 +132,51 @@ class TimeCost:
     max_tokens_per_microbatch: int = 1
 
     def __post_init__(self):
-        for name in ("dense_flops_per_s", "attention_flops_per_s", "num_params", "num_layers",
-                     "hidden_size", "max_tokens_per_microbatch"):
+        for name in (
+            "dense_flops_per_s",
+            "attention_flops_per_s",
+            "num_params",
+            "num_layers",
+            "hidden_size",
+            "max_tokens_per_microbatch",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"TimeCost.{name} must be a number, got {v!r}")
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"TimeCost.{name} must be positive and finite, got {v!r}")
-        if not (isinstance(self.floor_s, numbers.Real) and math.isfinite(self.floor_s)
-                and self.floor_s >= 0):
+        if not (
+            isinstance(self.floor_s, numbers.Real)
+            and math.isfinite(self.floor_s)
+            and self.floor_s >= 0
+        ):
             raise ValueError(f"TimeCost.floor_s must be finite and >= 0, got {self.floor_s!r}")
 
     def _terms(self, length: float) -> tuple[float, float]:
-        return (6.0 * self.num_params * length,
-                6.0 * self.num_layers * self.hidden_size * length * length)
+        return (
+            6.0 * self.num_params * length,
+            6.0 * self.num_layers * self.hidden_size * length * length,
+        )
 
     def __call__(self, length: int) -> float:
         dense, attention = self._terms(float(length))
         share = min(1.0, length / self.max_tokens_per_microbatch)
-        return (self.floor_s * share + dense / self.dense_flops_per_s
-                + attention / self.attention_flops_per_s)
+        return (
+            self.floor_s * share
+            + dense / self.dense_flops_per_s
+            + attention / self.attention_flops_per_s
+        )
 
     @classmethod
-    def fit(cls, samples, *, num_params: float, num_layers: int, hidden_size: int,
-            max_tokens_per_microbatch: int = 1) -> TimeCost:
+    def fit(
+        cls,
+        samples,
+        *,
+        num_params: float,
+        num_layers: int,
+        hidden_size: int,
+        max_tokens_per_microbatch: int = 1,
+    ) -> TimeCost:
         """Least squares in relative error (short sequences count as much as long ones) over
         ``samples``: ``(length, seconds)`` of sequences each timed alone in a microbatch, from
         issue to device completion, at lengths the process has not run before (first use of a
@@ -170,8 +191,10 @@ class TimeCost:
         def solve(columns):  # minimise sum((row . x) / t - 1)^2 over the given columns
             a = [[r[c] / r[3] for c in columns] for r in rows]
             k = len(columns)
-            m = [[sum(x[i] * x[j] for x in a) for j in range(k)] + [sum(x[i] for x in a)]
-                 for i in range(k)]
+            m = [
+                [sum(x[i] * x[j] for x in a) for j in range(k)] + [sum(x[i] for x in a)]
+                for i in range(k)
+            ]
             for i in range(k):  # Gaussian elimination with partial pivoting
                 p = max(range(i, k), key=lambda r: abs(m[r][i]))
                 if abs(m[p][i]) < 1e-300:
@@ -194,8 +217,15 @@ class TimeCost:
             else:
                 floor, per_dense = 0.0, max(r[3] / r[1] for r in rows)
             per_attention = per_dense
-        return cls(max(0.0, floor), 1.0 / per_dense, 1.0 / per_attention, num_params,
-                   num_layers, hidden_size, max_tokens_per_microbatch)
+        return cls(
+            max(0.0, floor),
+            1.0 / per_dense,
+            1.0 / per_attention,
+            num_params,
+            num_layers,
+            hidden_size,
+            max_tokens_per_microbatch,
+        )
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -365,8 +395,7 @@ def plan(
         costs = _cost_array(lens, cost, cost_args)
     else:
         if cost != "tokens" or cost_args:
-            raise TypeError("plan: pass either costs= or a cost model (cost=, cost_args), "
-                            "not both")
+            raise TypeError("plan: pass either costs= or a cost model (cost=, cost_args), not both")
         try:
             costs = array.array("d", [float(c) for c in costs])
         except (TypeError, ValueError):
@@ -569,9 +598,7 @@ def plan_for_rank(
     else:
         counts = loss_tokens.tolist() if hasattr(loss_tokens, "tolist") else list(loss_tokens)
         if len(counts) != len(lens):
-            raise ValueError(
-                f"loss_tokens has {len(counts)} entries for {len(lens)} sequences"
-            )
+            raise ValueError(f"loss_tokens has {len(counts)} entries for {len(lens)} sequences")
         for i, v in enumerate(counts):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"loss_tokens must be integers, got {v!r} at index {i}")

@@ -91,15 +91,18 @@ def _dense_layout(rows) -> list | None:
     """(key, dtype, trailing shape) of each tensor of a mapping of tensors, else None."""
     if not isinstance(rows, Mapping) or not rows:
         return None
-    if not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and not v.is_nested
-               for v in rows.values()):
+    if not all(
+        isinstance(v, torch.Tensor) and v.dim() >= 1 and not v.is_nested for v in rows.values()
+    ):
         return None
     return [(k, str(v.dtype), tuple(v.shape[1:])) for k, v in rows.items()]
 
 
 def _row_bytes(layout) -> list[int]:
-    return [math.prod(shape) * getattr(torch, dtype.split(".")[1]).itemsize
-            for _, dtype, shape in layout]
+    return [
+        math.prod(shape) * getattr(torch, dtype.split(".")[1]).itemsize
+        for _, dtype, shape in layout
+    ]
 
 
 def exchange_rows(
@@ -141,8 +144,10 @@ def exchange_rows(
     counts = [int(n) for n in counts]
     shares = [[list(m) for m in micros] for micros in getattr(plan, "microbatches", plan)]
     if len(counts) != world or len(shares) != world:
-        raise ValueError(f"{where}: {len(counts)} counts and a plan for {len(shares)} ranks in "
-                         f"a group of {world}")
+        raise ValueError(
+            f"{where}: {len(counts)} counts and a plan for {len(shares)} ranks in "
+            f"a group of {world}"
+        )
     total = sum(counts)
     seen = sorted(pos for micros in shares for micro in micros for pos in micro)
     if seen != list(range(total)):
@@ -151,41 +156,53 @@ def exchange_rows(
         shares = _keep_shares(shares, counts)
     layout = _dense_layout(rows) if take is None and join is None else None
     if layout is None and (take is None or join is None):
-        raise TypeError(f"{where}: rows must be a mapping of tensors (one row per index of their "
-                        "first dimension), or pass take= and join=")
+        raise TypeError(
+            f"{where}: rows must be a mapping of tensors (one row per index of their "
+            "first dimension), or pass take= and join="
+        )
     if layout is not None:
         local = {len(v) for v in rows.values()}
         if local != {counts[rank]}:
-            raise ValueError(f"{where}: holds rows of {sorted(local)} counts, counts names "
-                             f"{counts[rank]}")
+            raise ValueError(
+                f"{where}: holds rows of {sorted(local)} counts, counts names {counts[rank]}"
+            )
     digest = hashlib.sha1(repr((counts, shares)).encode()).hexdigest()
     mine = (digest, layout)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     for r, other in enumerate(everyone):
         if other[0] != digest:
-            raise ValueError(f"{where}: rank {r} planned the step's rows differently (plan or "
-                             "counts differ): every rank must pass the same plan and counts")
+            raise ValueError(
+                f"{where}: rank {r} planned the step's rows differently (plan or "
+                "counts differ): every rank must pass the same plan and counts"
+            )
         if other[1] != layout:
-            raise ValueError(f"{where}: rank {r}'s rows are laid out as {other[1]}, this rank's "
-                             f"as {layout}")
+            raise ValueError(
+                f"{where}: rank {r}'s rows are laid out as {other[1]}, this rank's as {layout}"
+            )
 
     owner = _owners(counts)
     offset = sum(counts[:rank])
     order = [pos for micro in shares[rank] for pos in micro]  # this rank's rows, plan order
-    sends = [[pos - offset for micro in shares[d] for pos in micro if owner[pos] == rank]
-             for d in range(world)]
+    sends = [
+        [pos - offset for micro in shares[d] for pos in micro if owner[pos] == rank]
+        for d in range(world)
+    ]
     arrived = [pos for src in range(world) for pos in order if owner[pos] == src]
     index = {pos: j for j, pos in enumerate(arrived)}
     perm = [index[pos] for pos in order]
     if layout is not None:
-        out = _move_dense(rows, layout, sends, [sum(owner[p] == s for p in order)
-                                                for s in range(world)], group)
+        out = _move_dense(
+            rows, layout, sends, [sum(owner[p] == s for p in order) for s in range(world)], group
+        )
     else:
         out = _move_objects(rows, sends, group, take, join)
     if perm != list(range(len(perm))):
-        out = ({k: v[torch.tensor(perm, dtype=torch.long, device=v.device)]
-                for k, v in out.items()} if layout is not None else take(out, perm))
+        out = (
+            {k: v[torch.tensor(perm, dtype=torch.long, device=v.device)] for k, v in out.items()}
+            if layout is not None
+            else take(out, perm)
+        )
     micro_positions, at = [], 0
     for micro in shares[rank]:
         micro_positions.append(list(range(at, at + len(micro))))
@@ -211,13 +228,18 @@ def _move_dense(rows: Mapping, layout, sends, receive_counts, group) -> dict:
     order = torch.tensor([i for dest in sends for i in dest], dtype=torch.long, device=device)
     buf = buf[order].contiguous()
     recv = buf.new_empty((sum(receive_counts), buf.size(1)))
-    dist.all_to_all_single(recv, buf, output_split_sizes=list(receive_counts),
-                           input_split_sizes=[len(d) for d in sends], group=group)
+    dist.all_to_all_single(
+        recv,
+        buf,
+        output_split_sizes=list(receive_counts),
+        input_split_sizes=[len(d) for d in sends],
+        group=group,
+    )
     out, col, m = {}, 0, recv.size(0)
     for (key, dtype, shape), width in zip(layout, _row_bytes(layout), strict=True):
         # A copy with the row stride of this piece alone (.contiguous() keeps a single row's
         # stride, which a dtype view refuses).
-        piece = recv[:, col:col + width].clone(memory_format=torch.contiguous_format)
+        piece = recv[:, col : col + width].clone(memory_format=torch.contiguous_format)
         t = piece.view(getattr(torch, dtype.split(".")[1])).reshape(m, *shape)
         out[key] = t.to(rows[key].device)
         col += width
@@ -242,15 +264,19 @@ def _move_objects(rows, sends, group, take, join):
     send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
     total = int(recv_sizes.sum())
     recv = torch.empty(max(1, total), dtype=torch.uint8)
-    dist.all_to_all_single(recv[:total], send[:int(send_sizes.sum())],
-                           output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
+    dist.all_to_all_single(
+        recv[:total],
+        send[: int(send_sizes.sum())],
+        output_split_sizes=recv_sizes.tolist(),
+        input_split_sizes=send_sizes.tolist(),
+        group=group,
+    )
     pieces, at = [], 0
     for src, size in enumerate(recv_sizes.tolist()):
         if src == rank and sends[rank]:
             pieces.append(take(rows, sends[rank]))
         elif size:
-            raw = recv[at:at + size].numpy().tobytes()
+            raw = recv[at : at + size].numpy().tobytes()
             pieces.append(torch.load(io.BytesIO(raw), weights_only=False))
         at += size
     if not pieces:

@@ -55,8 +55,7 @@ CLASS = "class imported"
 CONSTANT = "constant imported"
 MODULE = "module imported"
 FIELD = "dataclass field"
-KINDS = (OVERRIDE, METHOD, REPRODUCED, INSTANCE, READ_BY, FUNCTION, CLASS, CONSTANT, MODULE,
-         FIELD)
+KINDS = (OVERRIDE, METHOD, REPRODUCED, INSTANCE, READ_BY, FUNCTION, CLASS, CONSTANT, MODULE, FIELD)
 _CALLABLE = (OVERRIDE, METHOD, REPRODUCED, FUNCTION)
 _ON_MODULE = (FUNCTION, CLASS, CONSTANT, MODULE)
 
@@ -126,10 +125,14 @@ class Missing:
         e = self.entry
         have = f"{e.package} {self.installed}" if self.installed else f"{e.package} (not installed)"
         if isinstance(e, Pin):
-            return (f"{have}: the adapter is verified with {e.package} {e.prefix}x only "
-                    f"({e.why}); install {e.package}=={e.prefix}*")
-        return (f"{e.symbol} ({e.kind}) is missing in {have}: {self.reason}; read and "
-                f"verified in {e.package} {e.version}, where the adapter uses it: {e.why}")
+            return (
+                f"{have}: the adapter is verified with {e.package} {e.prefix}x only "
+                f"({e.why}); install {e.package}=={e.prefix}*"
+            )
+        return (
+            f"{e.symbol} ({e.kind}) is missing in {have}: {self.reason}; read and "
+            f"verified in {e.package} {e.version}, where the adapter uses it: {e.why}"
+        )
 
 
 def installed_version(package: str) -> str | None:
@@ -270,19 +273,30 @@ class Manifest:
     # -- checking ----------------------------------------------------------------------------
 
     def _selected(self, packages, users):
-        packages = None if packages is None else {packages} if isinstance(packages, str) \
-            else set(packages)
+        packages = (
+            None if packages is None else {packages} if isinstance(packages, str) else set(packages)
+        )
         users = None if users is None else {users} if isinstance(users, str) else set(users)
-        entries = [e for e in self.entries
-                   if (packages is None or e.package in packages)
-                   and (users is None or users & set(e.users))]
-        pins = [p for p in self.pins
-                if (packages is None or p.package in packages)
-                and (users is None or users & set(p.users))]
+        entries = [
+            e
+            for e in self.entries
+            if (packages is None or e.package in packages)
+            and (users is None or users & set(e.users))
+        ]
+        pins = [
+            p
+            for p in self.pins
+            if (packages is None or p.package in packages)
+            and (users is None or users & set(p.users))
+        ]
         return entries, pins
 
-    def check(self, packages: str | Iterable[str] | None = None, *,
-              users: str | Iterable[str] | None = None) -> list[Missing]:
+    def check(
+        self,
+        packages: str | Iterable[str] | None = None,
+        *,
+        users: str | Iterable[str] | None = None,
+    ) -> list[Missing]:
         """The entries (of ``packages`` / ``users``, default all) and pins the installed
         packages do not satisfy; empty when everything is there."""
         entries, pins = self._selected(packages, users)
@@ -290,8 +304,11 @@ class Manifest:
         for pin in pins:
             have = installed_version(pin.package)
             if have is None or not have.startswith(pin.prefix):
-                out.append(Missing(pin, have, f"{pin.package} {have or '(not installed)'} is "
-                                              f"not {pin.prefix}x"))
+                out.append(
+                    Missing(
+                        pin, have, f"{pin.package} {have or '(not installed)'} is not {pin.prefix}x"
+                    )
+                )
         versions = {}
         for entry in entries:
             if entry.package not in versions:
@@ -316,23 +333,32 @@ class Manifest:
     def error(self, missing: list[Missing], where: str | None = None) -> UnsupportedVersion:
         where = where or self.where
         lines = "\n".join(f"  - {m.describe()}" for m in missing)
-        versions = ", ".join(sorted({f"{m.entry.package}=="
-                                     + (m.entry.version if isinstance(m.entry, Entry)
-                                        else m.entry.prefix + "*") for m in missing}))
+        versions = ", ".join(
+            sorted(
+                {
+                    f"{m.entry.package}=="
+                    + (m.entry.version if isinstance(m.entry, Entry) else m.entry.prefix + "*")
+                    for m in missing
+                }
+            )
+        )
         return UnsupportedVersion(
             f"{where}: the installed release is not supported: it lacks what the adapter "
             f"uses (listed in its compatibility manifest, {self._module()}):\n{lines}\n"
-            f"Install the verified release ({versions}) or update the adapter and its manifest.")
+            f"Install the verified release ({versions}) or update the adapter and its manifest."
+        )
 
     def _module(self) -> str:
-        return {"torch_odc.integrations.hf": "torch_odc/integrations/hf/_compat.py",
-                "torch_odc.integrations.verl": "torch_odc/integrations/verl/_compat.py"}.get(
-                    self.where, "its _compat module")
+        return {
+            "torch_odc.integrations.hf": "torch_odc/integrations/hf/_compat.py",
+            "torch_odc.integrations.verl": "torch_odc/integrations/verl/_compat.py",
+        }.get(self.where, "its _compat module")
 
     # -- access --------------------------------------------------------------------------------
 
-    def _entry(self, kinds: tuple[str, ...], name: str, obj=None, owner: str | None = None
-               ) -> Entry:
+    def _entry(
+        self, kinds: tuple[str, ...], name: str, obj=None, owner: str | None = None
+    ) -> Entry:
         """The listed entry of one of ``kinds`` called ``name`` (of ``owner``, or whose owner
         class ``obj`` is an instance of). KeyError when none is listed: the adapter reaches a
         name its manifest does not list."""
@@ -340,17 +366,22 @@ class Manifest:
         found = self._lookups.get(key)
         if found is not None:
             return found
-        candidates = [e for e in self.entries if e.kind in kinds and e.name == name
-                      and (owner is None or e.owner == owner)]
+        candidates = [
+            e
+            for e in self.entries
+            if e.kind in kinds and e.name == name and (owner is None or e.owner == owner)
+        ]
         if obj is not None:  # an attribute of the owner class: the entry whose class obj is
             markers = [e for e in candidates if e.kind == READ_BY]
-            candidates = [e for e in candidates
-                          if e.kind != READ_BY and _instance_of(obj, e.owner)] + markers
+            candidates = [
+                e for e in candidates if e.kind != READ_BY and _instance_of(obj, e.owner)
+            ] + markers
         if not candidates:
-            where = f"{owner}." if owner else (f"{type(obj).__name__}." if obj is not None
-                                               else "")
-            raise KeyError(f"{self.where}: {where}{name} ({'/'.join(kinds)}) is not in the "
-                           "compatibility manifest")
+            where = f"{owner}." if owner else (f"{type(obj).__name__}." if obj is not None else "")
+            raise KeyError(
+                f"{self.where}: {where}{name} ({'/'.join(kinds)}) is not in the "
+                "compatibility manifest"
+            )
         self._lookups[key] = candidates[0]
         return candidates[0]
 
@@ -388,8 +419,7 @@ class Manifest:
         not installed raises its ModuleNotFoundError, as an import would."""
         entry = self._entry(_ON_MODULE, name, owner=owner)
         try:
-            return getattr(resolve(owner), name) if entry.kind != MODULE else resolve(
-                entry.symbol)
+            return getattr(resolve(owner), name) if entry.kind != MODULE else resolve(entry.symbol)
         except (LookupError, AttributeError):
             raise self._gone(entry) from None
 

@@ -26,8 +26,17 @@ from .dpo import ODCDPOTrainerMixin
 from .grpo import ODCGRPOConfig, ODCGRPOTrainerMixin
 from .sft import ODCSFTTrainerMixin
 
-__all__ = ["ODCConfig", "ODCDPOTrainerMixin", "ODCGRPOConfig", "ODCGRPOTrainerMixin",
-           "ODCSFTTrainerMixin", "ODCStep", "ODCTrainerMixin", "odc_trainer", "peak_memory_gib"]
+__all__ = [
+    "ODCConfig",
+    "ODCDPOTrainerMixin",
+    "ODCGRPOConfig",
+    "ODCGRPOTrainerMixin",
+    "ODCSFTTrainerMixin",
+    "ODCStep",
+    "ODCTrainerMixin",
+    "odc_trainer",
+    "peak_memory_gib",
+]
 
 
 def _adapter(trainer_class: type) -> type:
@@ -58,8 +67,13 @@ def peak_memory_gib(trainer) -> list:
         # An ODC trainer that returned memory between phases (the GRPO adapter frees its
         # gradient accumulators for generation) noted each phase's peak (odc_peak_bytes) and
         # restarted the allocator's statistics there.
-        peak = max(torch.cuda.max_memory_allocated() + getattr(trainer, "odc_memory_bytes", 0),
-                   getattr(trainer, "odc_peak_bytes", 0)) / 2**30
+        peak = (
+            max(
+                torch.cuda.max_memory_allocated() + getattr(trainer, "odc_memory_bytes", 0),
+                getattr(trainer, "odc_peak_bytes", 0),
+            )
+            / 2**30
+        )
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
     return peaks

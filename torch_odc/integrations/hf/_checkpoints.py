@@ -26,8 +26,11 @@ class _WithPlugin:
 
 def _off_local_rank_device(accelerator) -> bool:
     """Whether this rank's GPU is not ``cuda:<local rank>`` (ranks sharing one GPU)."""
-    return (torch.cuda.is_available() and torch.cuda.is_initialized()
-            and torch.cuda.current_device() != accelerator.local_process_index)
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+        and torch.cuda.current_device() != accelerator.local_process_index
+    )
 
 
 class _AcceleratorWithPlugin:
@@ -108,7 +111,8 @@ class ODCCheckpointMixin:
             "step's gradients are reduced only at the barrier and the other ranks are at other "
             "microbatches, so nothing was saved. Let the Trainer save after the step: set "
             "control.should_save = True in a callback (e.g. on_step_end); it saves on every "
-            "rank after the barrier and the optimizer step.")
+            "rank after the barrier and the optimizer step."
+        )
 
     def _save_checkpoint(self, model, trial):
         self._odc_check_save_point("a checkpoint save (_save_checkpoint)")
@@ -126,12 +130,16 @@ class ODCCheckpointMixin:
                 get_model_state_dict,
             )
 
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                       cpu_offload=True)
+            options = StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True
+            )
             state_dict = get_model_state_dict(self.model, options=options)
-            _compat.call(self, "_save",
-                         output_dir if output_dir is not None else self.args.output_dir,
-                         state_dict=state_dict)
+            _compat.call(
+                self,
+                "_save",
+                output_dir if output_dir is not None else self.args.output_dir,
+                state_dict=state_dict,
+            )
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
@@ -157,9 +165,13 @@ class ODCCheckpointMixin:
         if self._odc_sharded():
             load_fsdp_model = _compat.load("accelerate.utils", "load_fsdp_model")
             get_fsdp_ckpt_kwargs = _compat.load("transformers.trainer", "get_fsdp_ckpt_kwargs")
-            load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(),
-                            model if model is not None else self.model, resume_from_checkpoint,
-                            **get_fsdp_ckpt_kwargs())
+            load_fsdp_model(
+                self.odc_fsdp_plugin,
+                self._odc_fsdp_accelerator(),
+                model if model is not None else self.model,
+                resume_from_checkpoint,
+                **get_fsdp_ckpt_kwargs(),
+            )
             return None
         if self._odc_shards_itself():
             # train() loads before anything is prepared when accelerate has no FSDP plugin; the
@@ -177,23 +189,40 @@ class ODCCheckpointMixin:
             self._load_from_checkpoint(model_checkpoint)
         load_fsdp_optimizer = _compat.load("accelerate.utils", "load_fsdp_optimizer")
         OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, get_fsdp_ckpt_kwargs = (
-            _compat.load("transformers.trainer", name) for name in
-            ("OPTIMIZER_NAME", "OPTIMIZER_NAME_BIN", "SCHEDULER_NAME", "get_fsdp_ckpt_kwargs"))
+            _compat.load("transformers.trainer", name)
+            for name in (
+                "OPTIMIZER_NAME",
+                "OPTIMIZER_NAME_BIN",
+                "SCHEDULER_NAME",
+                "get_fsdp_ckpt_kwargs",
+            )
+        )
 
         # As the Trainer: a checkpoint without optimizer state (save_only_model) loads the model.
         names = os.listdir(checkpoint)
         has_optimizer = OPTIMIZER_NAME_BIN in names or any(
             n.startswith(OPTIMIZER_NAME_BIN.split(".")[0])
-            and os.path.isdir(os.path.join(checkpoint, n)) for n in names)
+            and os.path.isdir(os.path.join(checkpoint, n))
+            for n in names
+        )
         if not (has_optimizer and SCHEDULER_NAME in names):
             if OPTIMIZER_NAME in names:
-                raise ValueError(f"torch_odc.integrations.hf: {checkpoint} holds a non-FSDP "
-                                 "optimizer state; it cannot resume an FSDP2 model")
+                raise ValueError(
+                    f"torch_odc.integrations.hf: {checkpoint} holds a non-FSDP "
+                    "optimizer state; it cannot resume an FSDP2 model"
+                )
             return None
-        load_fsdp_optimizer(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.optimizer,
-                            self.model, checkpoint, **get_fsdp_ckpt_kwargs())
+        load_fsdp_optimizer(
+            self.odc_fsdp_plugin,
+            self._odc_fsdp_accelerator(),
+            self.optimizer,
+            self.model,
+            checkpoint,
+            **get_fsdp_ckpt_kwargs(),
+        )
         self.lr_scheduler.load_state_dict(
-            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
         return None
 
     def _load_best_model(self) -> None:
@@ -201,8 +230,13 @@ class ODCCheckpointMixin:
             return super()._load_best_model()
         load_fsdp_model = _compat.load("accelerate.utils", "load_fsdp_model")
         get_fsdp_ckpt_kwargs = _compat.load("transformers.trainer", "get_fsdp_ckpt_kwargs")
-        load_fsdp_model(self.odc_fsdp_plugin, self._odc_fsdp_accelerator(), self.model,
-                        self.state.best_model_checkpoint, **get_fsdp_ckpt_kwargs())
+        load_fsdp_model(
+            self.odc_fsdp_plugin,
+            self._odc_fsdp_accelerator(),
+            self.model,
+            self.state.best_model_checkpoint,
+            **get_fsdp_ckpt_kwargs(),
+        )
         return None
 
     def _odc_checkpoint_state(self) -> dict:
@@ -215,10 +249,12 @@ class ODCCheckpointMixin:
     def _odc_restore_checkpoint_state(self, state: dict) -> None:
         """Restores what :meth:`_odc_checkpoint_state` returned, when resuming."""
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
-                             resume_from_checkpoint, trial):
-        out = super()._init_training_state(max_steps, num_update_steps_per_epoch,
-                                           num_train_epochs, resume_from_checkpoint, trial)
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        out = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
         if resume_from_checkpoint is not None:
             saved = self.state.stateful_callbacks.get(self._odc_callback_name)
             if isinstance(saved, list):
@@ -226,9 +262,12 @@ class ODCCheckpointMixin:
             if saved is None or "odc" not in saved.get("attributes", {}):
                 import warnings
 
-                warnings.warn(f"torch_odc.integrations.hf: {resume_from_checkpoint} has no ODC "
-                              "state (not saved by odc_trainer): metrics the trainer "
-                              "accumulates across steps restart from zero", stacklevel=2)
+                warnings.warn(
+                    f"torch_odc.integrations.hf: {resume_from_checkpoint} has no ODC "
+                    "state (not saved by odc_trainer): metrics the trainer "
+                    "accumulates across steps restart from zero",
+                    stacklevel=2,
+                )
             else:
                 self._odc_restore_checkpoint_state(saved["attributes"]["odc"])
         return out

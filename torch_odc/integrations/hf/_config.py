@@ -62,12 +62,16 @@ class ODCConfig:
     def __post_init__(self):
         cap = self.max_tokens_per_microbatch
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError("ODCConfig.max_tokens_per_microbatch must be a positive int or None "
-                             f"(derived from the trainer's own microbatches), got {cap!r}")
+            raise ValueError(
+                "ODCConfig.max_tokens_per_microbatch must be a positive int or None "
+                f"(derived from the trainer's own microbatches), got {cap!r}"
+            )
         m = self.pad_to_multiple_of
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError("ODCConfig.pad_to_multiple_of must be a positive int (1: no extra "
-                             f"padding) or None (64 on CUDA), got {m!r}")
+            raise ValueError(
+                "ODCConfig.pad_to_multiple_of must be a positive int (1: no extra "
+                f"padding) or None (64 on CUDA), got {m!r}"
+            )
 
     @property
     def auto_cap(self) -> bool:

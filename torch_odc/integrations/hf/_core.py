@@ -116,7 +116,8 @@ def _load_models_whole(cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dic
         raise ValueError(
             f"torch_odc.integrations.hf: model_init_kwargs device_map={init['device_map']!r}: "
             "under FSDP2 every rank holds its shard of a model on its own device; leave "
-            "device_map unset (the adapter loads the model whole, device_map=None)")
+            "device_map unset (the adapter loads the model whole, device_map=None)"
+        )
     init["device_map"] = None
     targs = copy.copy(targs)
     targs.model_init_kwargs = init
@@ -158,17 +159,21 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if odc is None:
             odc = self._odc_default_config()
         if not isinstance(odc, ODCConfig):
-            raise TypeError("torch_odc.integrations.hf: odc= takes an ODCConfig (or None for "
-                            f"the defaults), got {type(odc).__name__}")
+            raise TypeError(
+                "torch_odc.integrations.hf: odc= takes an ODCConfig (or None for "
+                f"the defaults), got {type(odc).__name__}"
+            )
         args, kwargs = _load_models_whole(type(self), args, kwargs)
         super().__init__(*args, **kwargs)
         self.odc = odc
         self._odc_autocap = _AutoCap()
         self._odc_check_args()
         # The step's sequences: the Trainer's global batch (its "total train batch size").
-        self._odc_sequences_per_step = (_compat.read(self, "_train_batch_size")
-                                        * self.args.world_size
-                                        * self.args.gradient_accumulation_steps)
+        self._odc_sequences_per_step = (
+            _compat.read(self, "_train_batch_size")
+            * self.args.world_size
+            * self.args.gradient_accumulation_steps
+        )
         # The Trainer's loop draws one ODCStep per optimizer step; the counting of input tokens
         # (one gather per microbatch otherwise) moves into the step's metrics reduction.
         args = copy.copy(self.args)
@@ -231,22 +236,30 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         a, where = self.args, "torch_odc.integrations.hf"
         plugin = a.fsdp_plugin_args
         if not a.fsdp or plugin is None or plugin.get("fsdp_version") != 2:
-            raise ValueError(f"{where}: ODC serves FSDP2: set fsdp=True and "
-                             "fsdp_config={'version': 2} in the training arguments")
+            raise ValueError(
+                f"{where}: ODC serves FSDP2: set fsdp=True and "
+                "fsdp_config={'version': 2} in the training arguments"
+            )
         if plugin.get("cpu_offload"):
             raise ValueError(f"{where}: fsdp_config cpu_offload is not supported by ODC")
         if a.auto_find_batch_size:
-            raise ValueError(f"{where}: auto_find_batch_size is not supported (the step's "
-                             "size is the plan's)")
+            raise ValueError(
+                f"{where}: auto_find_batch_size is not supported (the step's size is the plan's)"
+            )
         if a.train_sampling_strategy not in ("random", "sequential"):
-            raise ValueError(f"{where}: train_sampling_strategy={a.train_sampling_strategy!r}: "
-                             "ODC plans the step itself (LB-Mini); use 'random' or 'sequential'")
+            raise ValueError(
+                f"{where}: train_sampling_strategy={a.train_sampling_strategy!r}: "
+                "ODC plans the step itself (LB-Mini); use 'random' or 'sequential'"
+            )
         if getattr(self, "is_deepspeed_enabled", False) or a.parallelism_config is not None:
-            raise ValueError(f"{where}: DeepSpeed and parallelism_config (TP/CP/SP) are not "
-                             "supported")
+            raise ValueError(
+                f"{where}: DeepSpeed and parallelism_config (TP/CP/SP) are not supported"
+            )
         if not a.average_tokens_across_devices:
-            raise ValueError(f"{where}: average_tokens_across_devices=False: ODC normalizes the "
-                             "loss by the step's token count over all ranks; set it to True")
+            raise ValueError(
+                f"{where}: average_tokens_across_devices=False: ODC normalizes the "
+                "loss by the step's token count over all ranks; set it to True"
+            )
         self._odc_check_loss()
 
     def _odc_check_loss(self) -> None:
@@ -256,7 +269,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 f"({type(self.model).__name__}.forward has no **kwargs), so the Trainer would "
                 "average it per microbatch: the gradient would depend on how sequences are "
                 "split. Pass a compute_loss_func that sums token losses and divides by "
-                "num_items_in_batch.")
+                "num_items_in_batch."
+            )
 
     def get_total_train_batch_size(self, args) -> int:
         n = getattr(self, "_odc_sequences_per_step", None)
@@ -264,8 +278,10 @@ class ODCTrainerMixin(ODCCheckpointMixin):
 
     def _odc_shards_itself(self) -> bool:
         DistributedType = _compat.load("accelerate.utils", "DistributedType")
-        return (not self.is_fsdp_enabled
-                and self.accelerator.distributed_type == DistributedType.MULTI_CPU)
+        return (
+            not self.is_fsdp_enabled
+            and self.accelerator.distributed_type == DistributedType.MULTI_CPU
+        )
 
     def create_optimizer(self, model=None):
         # The Trainer creates the optimizer right before accelerator.prepare(model, optimizer).
@@ -278,17 +294,20 @@ class ODCTrainerMixin(ODCCheckpointMixin):
     def _odc_shard_like_accelerate(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        FullyShardedDataParallelPlugin = _compat.load("accelerate.utils",
-                                                      "FullyShardedDataParallelPlugin")
+        FullyShardedDataParallelPlugin = _compat.load(
+            "accelerate.utils", "FullyShardedDataParallelPlugin"
+        )
         fsdp2_prepare_model = _compat.load("accelerate.utils", "fsdp2_prepare_model")
 
         if any(isinstance(m, FSDPModule) for m in self.model.modules()):
             return
         plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
         if plugin.activation_checkpointing or plugin.cpu_ram_efficient_loading:
-            raise ValueError("torch_odc.integrations.hf: on CPU ranks the module shards the model "
-                             "itself, without fsdp_config activation_checkpointing or "
-                             "cpu_ram_efficient_loading")
+            raise ValueError(
+                "torch_odc.integrations.hf: on CPU ranks the module shards the model "
+                "itself, without fsdp_config activation_checkpointing or "
+                "cpu_ram_efficient_loading"
+            )
         if self.accelerator.mixed_precision != "no":
             plugin.set_mixed_precision(self.accelerator.mixed_precision)
         fsdp2_prepare_model(_AcceleratorWithPlugin(self.accelerator, plugin), self.model)
@@ -305,7 +324,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             raise RuntimeError(
                 "torch_odc.integrations.hf: accelerate did not shard the model with FSDP2 "
                 f"(distributed type {self.accelerator.distributed_type}); check fsdp and "
-                "fsdp_config={'version': 2} in the training arguments")
+                "fsdp_config={'version': 2} in the training arguments"
+            )
         handle = torch_odc.attach(self.model, eager_publish=self.odc.eager_publish)
         if not handle.on_demand and self.args.world_size > 1:
             # FSDP2's collectives would run in every microbatch, and this adapter's ranks run
@@ -314,7 +334,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 f"torch_odc.integrations.hf (rank {self.args.process_index}): ODC cannot serve "
                 f"this model on demand here ({handle.collective_reason}), and the ODC trainer "
                 "runs different numbers of microbatches per rank, which FSDP2's collectives "
-                "cannot: train with the unmodified trainer in this setup")
+                "cannot: train with the unmodified trainer in this setup"
+            )
         self._odc_handle = handle
 
     def _odc_detach(self) -> None:
@@ -334,8 +355,9 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if self._odc_handle is None or not torch.cuda.is_available():
             return
         held = int(sum(self._odc_handle.stats().get("memory", {}).values()))
-        self.odc_peak_bytes = max(getattr(self, "odc_peak_bytes", 0),
-                                  torch.cuda.max_memory_allocated() + held)
+        self.odc_peak_bytes = max(
+            getattr(self, "odc_peak_bytes", 0), torch.cuda.max_memory_allocated() + held
+        )
         torch.cuda.reset_peak_memory_stats()
 
     def _odc_free_gradient_memory(self) -> bool:
@@ -389,24 +411,34 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError("torch_odc.integrations.hf: the training dataset must have a length "
-                             "(LB-Mini plans each step from its sequences' lengths)")
+            raise ValueError(
+                "torch_odc.integrations.hf: the training dataset must have a length "
+                "(LB-Mini plans each step from its sequences' lengths)"
+            )
         rows = [tuple(int(n) for n in r) for r in self._odc_row_lengths(dataset)]
         if len(rows) != len(dataset):
-            raise ValueError(f"torch_odc.integrations.hf: {len(rows)} row lengths for a training "
-                             f"dataset of {len(dataset)} rows")
+            raise ValueError(
+                f"torch_odc.integrations.hf: {len(rows)} row lengths for a training "
+                f"dataset of {len(dataset)} rows"
+            )
         images = self._odc_row_images(dataset)
         if images is not None:
             images = [tuple(int(n) for n in im) for im in images]
             if len(images) != len(rows):
-                raise ValueError(f"torch_odc.integrations.hf: {len(images)} rows' images for a "
-                                 f"training dataset of {len(rows)} rows")
+                raise ValueError(
+                    f"torch_odc.integrations.hf: {len(images)} rows' images for a "
+                    f"training dataset of {len(rows)} rows"
+                )
         patches = [sum(im) for im in images] if images is not None else None
         args, workers = self.args, self.args.dataloader_num_workers
         steps = _StepData(
             dataset,
-            _compat.call(self, "_get_collator_with_removed_columns", self._odc_collator(),
-                         description="training"),
+            _compat.call(
+                self,
+                "_get_collator_with_removed_columns",
+                self._odc_collator(),
+                description="training",
+            ),
             # LB-Mini's lengths (against an explicit cap): a row's tokens and vision patches.
             [sum(r) + (patches[k] if patches else 0) for k, r in enumerate(rows)],
             self._odc_sequences_per_step,
@@ -417,17 +449,27 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
             costs=_row_costs(rows, self.odc, images) if self.odc.planner is None else None,
-            **({"rows": rows, "per_device": _compat.read(self, "_train_batch_size"),
-                "padding_free": self._odc_padding_free(),
-                "plain_multiple": self._odc_plain_multiple,
-                "patches": patches} if self.odc.auto_cap else {}),
+            **(
+                {
+                    "rows": rows,
+                    "per_device": _compat.read(self, "_train_batch_size"),
+                    "padding_free": self._odc_padding_free(),
+                    "plain_multiple": self._odc_plain_multiple,
+                    "patches": patches,
+                }
+                if self.odc.auto_cap
+                else {}
+            ),
         )
         self._odc_rows_of_dataset = rows
         self._odc_images_of_dataset = images
         self._odc_steps_per_epoch = steps.num_steps()
         return _StepLoader(
-            steps, batch_sampler=_StepKeys(steps), collate_fn=_only,
-            num_workers=workers, pin_memory=args.dataloader_pin_memory,
+            steps,
+            batch_sampler=_StepKeys(steps),
+            collate_fn=_only,
+            num_workers=workers,
+            pin_memory=args.dataloader_pin_memory,
             persistent_workers=bool(workers and args.dataloader_persistent_workers),
             prefetch_factor=args.dataloader_prefetch_factor if workers else None,
         )
@@ -447,12 +489,16 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             return collator
         name = type(collator).__name__
         if free:
-            raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want} "
-                             "with a padding-free collator (its rows are concatenated, not "
-                             "padded): leave it None")
+            raise ValueError(
+                f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want} "
+                "with a padding-free collator (its rows are concatenated, not "
+                "padded): leave it None"
+            )
         if not self._odc_collator_pads(collator):
-            raise ValueError(f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want}, "
-                             f"but the data collator {name} takes no pad_to_multiple_of")
+            raise ValueError(
+                f"torch_odc.integrations.hf: ODCConfig.pad_to_multiple_of={want}, "
+                f"but the data collator {name} takes no pad_to_multiple_of"
+            )
         self._odc_multiple = multiple = math.lcm(own, want)
         if multiple != own:
             collator = copy.copy(collator)
@@ -470,8 +516,10 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             if _compat.read(self, "_loss_shifts_labels", True):
                 labels = labels[..., 1:]
         else:
-            raise ValueError("torch_odc.integrations.hf: a microbatch without 'labels': the "
-                             "step's token count (the loss's denominator) needs them")
+            raise ValueError(
+                "torch_odc.integrations.hf: a microbatch without 'labels': the "
+                "step's token count (the loss's denominator) needs them"
+            )
         return int(labels.ne(IGNORE_INDEX).sum())
 
     def _odc_step_totals(self, step: ODCStep) -> dict[str, float]:
@@ -503,8 +551,9 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             speed_metrics = _compat.load("transformers.trainer_utils", "speed_metrics")
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
             if start_time is not None:
-                seen = (self.state.num_input_tokens_seen
-                        - _compat.read(self, "_initial_num_input_tokens_seen", 0))
+                seen = self.state.num_input_tokens_seen - _compat.read(
+                    self, "_initial_num_input_tokens_seen", 0
+                )
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         super().log(logs, start_time)
 
@@ -544,8 +593,10 @@ class ODCTrainerMixin(ODCCheckpointMixin):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not isinstance(inputs, ODCStep):
-            raise TypeError("torch_odc.integrations.hf: training_step expects an ODCStep from the "
-                            "module's own train dataloader, got " + type(inputs).__name__)
+            raise TypeError(
+                "torch_odc.integrations.hf: training_step expects an ODCStep from the "
+                "module's own train dataloader, got " + type(inputs).__name__
+            )
         step = inputs
         self._odc_check_position(step)
         clock = time.perf_counter()
@@ -568,12 +619,16 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         # The loss's denominators (the step's label tokens, ...) over all ranks, known before
         # the first forward (every rank calls this once per step, also with no microbatch).
         local = self._odc_step_totals(step)
-        self._odc_totals = (dict(zip(local, self._odc_all_reduce(list(local.values())),
-                                     strict=True)) if local else {})
+        self._odc_totals = (
+            dict(zip(local, self._odc_all_reduce(list(local.values())), strict=True))
+            if local
+            else {}
+        )
         num_items = None
         if "label_tokens" in self._odc_totals:
-            num_items = torch.tensor(self._odc_totals["label_tokens"], dtype=torch.float32,
-                                     device=self.args.device)
+            num_items = torch.tensor(
+                self._odc_totals["label_tokens"], dtype=torch.float32, device=self.args.device
+            )
         lap("totals")
         host["microbatches"] = []
         keys = self._odc_metric_keys()
@@ -602,15 +657,29 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if probe is not None:
             self._odc_autocap.finish_step(self._odc_handle)
         if keys:
-            self._odc_record_metrics(dict(zip(keys, self._odc_all_reduce(
-                [self._odc_sums[k] for k in keys]), strict=True)))
+            self._odc_record_metrics(
+                dict(
+                    zip(keys, self._odc_all_reduce([self._odc_sums[k] for k in keys]), strict=True)
+                )
+            )
         lap("metrics")
-        record = {"epoch": step.epoch, "step": step.step, "microbatches": list(step.counts),
-                  **{k: int(v) for k, v in self._odc_totals.items()}, "host_seconds": host}
+        record = {
+            "epoch": step.epoch,
+            "step": step.step,
+            "microbatches": list(step.counts),
+            **{k: int(v) for k, v in self._odc_totals.items()},
+            "host_seconds": host,
+        }
         if step.cap is not None:
-            record.update(cap=step.cap, plain_tokens=step.plain_tokens, padded_tokens=max(
-                (self._odc_batch_tokens(b) for b in step.microbatches), default=0), **step.work,
-                **self._odc_autocap.describe())
+            record.update(
+                cap=step.cap,
+                plain_tokens=step.plain_tokens,
+                padded_tokens=max(
+                    (self._odc_batch_tokens(b) for b in step.microbatches), default=0
+                ),
+                **step.work,
+                **self._odc_autocap.describe(),
+            )
             if step.cap_frontier is not None:
                 record.update(cap_frontier=step.cap_frontier, plain_frontier=step.plain_frontier)
         if getattr(self, "_odc_images_of_dataset", None) is not None:
@@ -621,7 +690,8 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             record["microbatch_rows"] = [list(mb) for mb in step.indices]
             record["microbatch_sizes"] = [
                 (self._odc_batch_tokens(b), sum(_vision.image_patches(b, self._odc_where)))
-                for b in step.microbatches]
+                for b in step.microbatches
+            ]
         self.odc_steps.append(record)
         return total.detach()
 
@@ -638,16 +708,23 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if step.plain_frontier is not None:
             # Rows with images: no microbatch holds more padded tokens and more patches than
             # one of the unmodified trainer's so far (each point's tokens less ODC's extra).
-            step.cap_frontier = cap = [(self._odc_autocap.cap(t), p)
-                                       for t, p in step.plain_frontier]
+            step.cap_frontier = cap = [
+                (self._odc_autocap.cap(t), p) for t, p in step.plain_frontier
+            ]
             step.cap = max(t for t, _ in cap)
             patches = [sum(im) for im in images]
         else:
             step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
-        per_rank = [pack_padded(a, lambda i: row_shape(rows[i], free),
-                                lambda dims: round_up(dims[0], odc) if dims else 1, cap,
-                                patches.__getitem__ if patches is not None else None)
-                    for a in step.assigned]
+        per_rank = [
+            pack_padded(
+                a,
+                lambda i: row_shape(rows[i], free),
+                lambda dims: round_up(dims[0], odc) if dims else 1,
+                cap,
+                patches.__getitem__ if patches is not None else None,
+            )
+            for a in step.assigned
+        ]
         mine = per_rank[self.args.process_index]
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
         step.counts, step.indices = [len(p) for p in per_rank], mine
@@ -658,18 +735,23 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         world, per_device = len(step.assigned), _compat.read(self, "_train_batch_size")
         order = [i for a in step.assigned for i in a]
         order.sort(key=step.order_position.__getitem__)
-        chunks = [order[i:i + per_device] for i in range(0, len(order), per_device)]
+        chunks = [order[i : i + per_device] for i in range(0, len(order), per_device)]
         step.work = {
-            "padded_per_rank": [sum(padded_tokens([rows[i] for i in mb], free, odc)
-                                    for mb in p) for p in per_rank],
+            "padded_per_rank": [
+                sum(padded_tokens([rows[i] for i in mb], free, odc) for mb in p) for p in per_rank
+            ],
             "plain_padded_per_rank": [
                 sum(padded_tokens([rows[i] for i in c], free, plain) for c in chunks[r::world])
-                for r in range(world)]}
+                for r in range(world)
+            ],
+        }
         if patches is not None:  # and the vision patches each rank's step runs
             step.work.update(
                 patches_per_rank=[sum(patches[i] for i in a) for a in step.assigned],
-                plain_patches_per_rank=[sum(patches[i] for c in chunks[r::world] for i in c)
-                                        for r in range(world)])
+                plain_patches_per_rank=[
+                    sum(patches[i] for c in chunks[r::world] for i in c) for r in range(world)
+                ],
+            )
 
     def _odc_check_images(self, step: ODCStep) -> None:
         """Each collated microbatch carries exactly its rows' images, in order (what was
@@ -681,8 +763,11 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         from . import _vision
 
         for batch, mb in zip(step.microbatches, step.indices, strict=True):
-            _vision.check_microbatch(batch, self._odc_microbatch_images(mb, images),
-                                     f"{self._odc_where}: step {step.step}")
+            _vision.check_microbatch(
+                batch,
+                self._odc_microbatch_images(mb, images),
+                f"{self._odc_where}: step {step.step}",
+            )
 
     def _odc_microbatch_images(self, rows, images) -> list[int]:
         """The patches of each image a microbatch of ``rows`` (dataset indices, in order)
@@ -718,10 +803,12 @@ class ODCTrainerMixin(ODCCheckpointMixin):
                 f"step {self.state.global_step} (epoch {epoch}, step {at} of {per_epoch}): the "
                 "loader was not positioned for the resumed run (skip_first_batches and "
                 "set_epoch of transformers' resume path). Training on would silently use other "
-                "sequences than the uninterrupted run.")
+                "sequences than the uninterrupted run."
+            )
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, ODCStep):
-            return sum(super(ODCTrainerMixin, self).floating_point_ops(b)
-                       for b in inputs.microbatches)
+            return sum(
+                super(ODCTrainerMixin, self).floating_point_ops(b) for b in inputs.microbatches
+            )
         return super().floating_point_ops(inputs)

@@ -15,8 +15,16 @@ from torch_odc import balance
 
 from ._config import ODCConfig
 
-__all__ = ["ODCStep", "fits", "frontier", "pack_padded", "padded_tokens",
-           "plain_largest_microbatch", "plain_microbatches", "row_shape"]
+__all__ = [
+    "ODCStep",
+    "fits",
+    "frontier",
+    "pack_padded",
+    "padded_tokens",
+    "plain_largest_microbatch",
+    "plain_microbatches",
+    "row_shape",
+]
 
 
 class ODCStep:
@@ -33,13 +41,38 @@ class ODCStep:
     trainer's microbatches so far that no other of them holds fewer of both (see
     ``plain_microbatches``); ``plain_tokens`` is then their largest padded tokens."""
 
-    __slots__ = ("assigned", "cap", "cap_frontier", "collate", "counts", "epoch", "features",
-                 "indices", "microbatches", "order_position", "plain_frontier", "plain_tokens",
-                 "step", "work")
+    __slots__ = (
+        "assigned",
+        "cap",
+        "cap_frontier",
+        "collate",
+        "counts",
+        "epoch",
+        "features",
+        "indices",
+        "microbatches",
+        "order_position",
+        "plain_frontier",
+        "plain_tokens",
+        "step",
+        "work",
+    )
 
-    def __init__(self, microbatches, counts, indices, epoch, step, *, assigned=None,
-                 features=None, collate=None, plain_tokens=None, order_position=None,
-                 plain_frontier=None):
+    def __init__(
+        self,
+        microbatches,
+        counts,
+        indices,
+        epoch,
+        step,
+        *,
+        assigned=None,
+        features=None,
+        collate=None,
+        plain_tokens=None,
+        order_position=None,
+        plain_frontier=None,
+    ):
         self.microbatches, self.counts, self.indices = microbatches, counts, indices
         self.epoch, self.step = epoch, step
         self.assigned, self.features, self.collate = assigned, features, collate
@@ -51,8 +84,7 @@ class ODCStep:
         return False
 
     def __repr__(self) -> str:
-        return (f"ODCStep(epoch={self.epoch}, step={self.step}, microbatches per rank "
-                f"{self.counts})")
+        return f"ODCStep(epoch={self.epoch}, step={self.step}, microbatches per rank {self.counts})"
 
 
 # -- the derived cap --------------------------------------------------------------------------
@@ -67,8 +99,9 @@ class ODCStep:
 # cache; the cache holds the parameters themselves, and the accumulators FSDP2's sharded .grad).
 
 
-def padded_tokens(rows: Sequence[Sequence[int]], padding_free: bool = False,
-                  multiple: int = 1) -> int:
+def padded_tokens(
+    rows: Sequence[Sequence[int]], padding_free: bool = False, multiple: int = 1
+) -> int:
     """The tokens of one microbatch of ``rows`` (each a tuple of its sequences' lengths: one
     for a language-modeling row, two for a preference pair) once collated: every sequence
     padded to the longest, rounded up to ``multiple`` (the collator's ``pad_to_multiple_of``),
@@ -91,8 +124,9 @@ def round_up(n: int, multiple: int) -> int:
 CUDNN_NAN_MODULUS, CUDNN_NAN_REMAINDER = 128, 64
 
 
-def left_padded_widths(prompt: int, completion: int, multiple: int, cuda: bool,
-                       length_multiple: int = 1) -> tuple[int, int]:
+def left_padded_widths(
+    prompt: int, completion: int, multiple: int, cuda: bool, length_multiple: int = 1
+) -> tuple[int, int]:
     """A left-padded microbatch's prompt and completion widths (GRPO's layout) from its longest
     of each: at least one completion column, each rounded up to ``multiple`` (TRL's
     ``pad_to_multiple_of``); then as many more prompt columns (left padding, masked;
@@ -110,22 +144,35 @@ def left_padded_widths(prompt: int, completion: int, multiple: int, cuda: bool,
     return pw, cw
 
 
-def plain_largest_microbatch(rows: Sequence[Sequence[int]], per_device: int,
-                             padding_free: bool = False, multiple: int = 1) -> int:
+def plain_largest_microbatch(
+    rows: Sequence[Sequence[int]], per_device: int, padding_free: bool = False, multiple: int = 1
+) -> int:
     """The padded tokens of the largest microbatch the unmodified trainer runs of ``rows`` (a
     step's rows in order): consecutive groups of ``per_device`` rows."""
-    return max(padded_tokens(rows[i:i + per_device], padding_free, multiple)
-               for i in range(0, len(rows), per_device))
+    return max(
+        padded_tokens(rows[i : i + per_device], padding_free, multiple)
+        for i in range(0, len(rows), per_device)
+    )
 
 
-def plain_microbatches(rows: Sequence[Sequence[int]], patches: Sequence[int], per_device: int,
-                       padding_free: bool = False, multiple: int = 1) -> list[tuple[int, int]]:
+def plain_microbatches(
+    rows: Sequence[Sequence[int]],
+    patches: Sequence[int],
+    per_device: int,
+    padding_free: bool = False,
+    multiple: int = 1,
+) -> list[tuple[int, int]]:
     """(padded tokens, vision patches) of each microbatch the unmodified trainer runs of
     ``rows`` (a step's rows in order, ``patches[k]`` the vision patches of row k's images):
     consecutive groups of ``per_device`` rows. A vision tower runs a microbatch's images
     unpadded, one after another, so its patches add up."""
-    return [(padded_tokens(rows[i:i + per_device], padding_free, multiple),
-             sum(patches[i:i + per_device])) for i in range(0, len(rows), per_device)]
+    return [
+        (
+            padded_tokens(rows[i : i + per_device], padding_free, multiple),
+            sum(patches[i : i + per_device]),
+        )
+        for i in range(0, len(rows), per_device)
+    ]
 
 
 def frontier(points) -> list[tuple[int, int]]:
@@ -148,9 +195,13 @@ def fits(cap, tokens: int, patches: int = 0) -> bool:
     return any(tokens <= t and patches <= p for t, p in cap)
 
 
-def pack_padded(positions: Sequence[int], row: Callable[[int], tuple[int, tuple[int, ...]]],
-                width: Callable[[tuple[int, ...]], int], cap,
-                patches: Callable[[int], int] | None = None) -> list[list[int]]:
+def pack_padded(
+    positions: Sequence[int],
+    row: Callable[[int], tuple[int, tuple[int, ...]]],
+    width: Callable[[tuple[int, ...]], int],
+    cap,
+    patches: Callable[[int], int] | None = None,
+) -> list[list[int]]:
     """``positions`` into microbatches of at most ``cap`` padded tokens (a row above the cap
     alone). ``row(i)`` gives row i's ``(weight, dims)``: a microbatch pads every row to its
     largest of each dimension, so its padded tokens are the sum of its rows' weights times
@@ -250,9 +301,9 @@ class _AutoCap:
     The measuring step resets the allocator's peak statistics at each of its microbatches
     (``torch.cuda.reset_peak_memory_stats``): a peak from before the first step is not kept."""
 
-    MAX_POINTS = 32      # microbatches per rank the first step measures
-    MIN_SPREAD = 1.25    # largest / smallest tokens for a slope
-    ALLOWANCE = 0.15     # of ODC's bytes, for the fit's extrapolation (see above)
+    MAX_POINTS = 32  # microbatches per rank the first step measures
+    MIN_SPREAD = 1.25  # largest / smallest tokens for a slope
+    ALLOWANCE = 0.15  # of ODC's bytes, for the fit's extrapolation (see above)
 
     def __init__(self):
         self.bytes_per_token: float | None = None
@@ -275,8 +326,12 @@ class _AutoCap:
         return max(1, plain - math.ceil(self.extra_bytes / self.bytes_per_token))
 
     def describe(self) -> dict:
-        return {"bytes_per_token": self.bytes_per_token, "odc_extra_bytes": self.extra_bytes,
-                "odc_bytes": self.odc_bytes, **self.fit}
+        return {
+            "bytes_per_token": self.bytes_per_token,
+            "odc_extra_bytes": self.extra_bytes,
+            "odc_bytes": self.odc_bytes,
+            **self.fit,
+        }
 
     @property
     def measuring(self) -> bool:
@@ -318,18 +373,19 @@ class _AutoCap:
         if world > 1:
             dist.all_reduce(t)
         self._points = []
-        points = [tuple(float(x) for x in row) for row in t[:, 1:].reshape(-1, 3).tolist()
-                  if row[0] > 0]
+        points = [
+            tuple(float(x) for x in row) for row in t[:, 1:].reshape(-1, 3).tolist() if row[0] > 0
+        ]
         fitted = fit_bytes_per_token(points)
         if fitted is not None:
             self.bytes_per_token, self.fit = fitted
             self.odc_bytes = odc = int(t[:, 0, 0].max())
-            self.extra_bytes = odc + math.ceil(self.ALLOWANCE * odc
-                                               + self.fit.get("margin_bytes", 0))
+            self.extra_bytes = odc + math.ceil(
+                self.ALLOWANCE * odc + self.fit.get("margin_bytes", 0)
+            )
 
 
-def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
-                        ) -> tuple[float, dict] | None:
+def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]) -> tuple[float, dict] | None:
     """The marginal peak bytes per token from ``points`` (tokens, forward-kept bytes, peak
     bytes of a microbatch over its start; see ``_AutoCap``) and how it was found, or None
     without a point. Every rank computes it from the same points."""
@@ -341,8 +397,13 @@ def fit_bytes_per_token(points: Sequence[tuple[float, float, float]]
     # The forward keeps at least this much per token on every microbatch of that size.
     lower = min(min(p[1] for p in points if p[0] == largest[0]) / largest[0], upper)
     tokens = [p[0] for p in points]
-    info = {"points": len(points), "forward_bytes_per_token": lower,
-            "peak_bytes_per_token": upper, "slope_bytes_per_token": None, "margin_bytes": 0.0}
+    info = {
+        "points": len(points),
+        "forward_bytes_per_token": lower,
+        "peak_bytes_per_token": upper,
+        "slope_bytes_per_token": None,
+        "margin_bytes": 0.0,
+    }
     if len(points) >= 3 and max(tokens) >= _AutoCap.MIN_SPREAD * min(tokens):
         n = len(points)
         mx = math.fsum(tokens) / n
@@ -376,13 +437,15 @@ class _LBMini:
         c = self.config
         cap = cap if cap is not None else c.max_tokens_per_microbatch
         if costs is None:
-            return balance.plan(lengths, world_size, cap, mode="mini",
-                                cost=c.cost, **c.cost_args).microbatches
+            return balance.plan(
+                lengths, world_size, cap, mode="mini", cost=c.cost, **c.cost_args
+            ).microbatches
         return balance.plan(lengths, world_size, cap, mode="mini", costs=costs).microbatches
 
 
-def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig,
-               images: Sequence[Sequence[int]] | None = None) -> list[float] | None:
+def _row_costs(
+    rows: Sequence[Sequence[int]], config: ODCConfig, images: Sequence[Sequence[int]] | None = None
+) -> list[float] | None:
     """Per row, the sum of its sequences' modeled costs and, for a row with images
     (``images[k]``: the vision patches of each of row k's images), of its images' costs: each
     image costs as a sequence of its patches under the same model (a vision tower attends
@@ -395,7 +458,7 @@ def _row_costs(rows: Sequence[Sequence[int]], config: ODCConfig,
     seq = balance.sequence_costs(flat, config.cost, **config.cost_args)
     out, at = [], 0
     for r in parts:
-        out.append(math.fsum(seq[at:at + len(r)]))
+        out.append(math.fsum(seq[at : at + len(r)]))
         at += len(r)
     return out
 
@@ -404,8 +467,10 @@ def _checked_plan(plan, n: int, world: int, step: int) -> list:
     """The plan as lists, refused unless it gives every one of the n sequences to exactly one
     microbatch: a sequence left out or run twice would silently change the gradient."""
     if len(plan) != world:
-        raise ValueError(f"torch_odc.integrations.hf: step {step}: the planner returned "
-                         f"{len(plan)} ranks' microbatches for a world of {world}")
+        raise ValueError(
+            f"torch_odc.integrations.hf: step {step}: the planner returned "
+            f"{len(plan)} ranks' microbatches for a world of {world}"
+        )
     seen = [0] * n
     out = []
     for rank_plan in plan:
@@ -416,15 +481,19 @@ def _checked_plan(plan, n: int, world: int, step: int) -> list:
                 raise ValueError(f"torch_odc.integrations.hf: step {step}: an empty microbatch")
             for i in mb:
                 if not 0 <= i < n:
-                    raise ValueError(f"torch_odc.integrations.hf: step {step}: position {i} is "
-                                     f"outside the step's {n} sequences")
+                    raise ValueError(
+                        f"torch_odc.integrations.hf: step {step}: position {i} is "
+                        f"outside the step's {n} sequences"
+                    )
                 seen[i] += 1
             mbs.append(mb)
         out.append(mbs)
     bad = [i for i, c in enumerate(seen) if c != 1]
     if bad:
-        raise ValueError(f"torch_odc.integrations.hf: step {step}: the plan runs sequences "
-                         f"{bad[:5]} {[seen[i] for i in bad[:5]]} times (must be once each)")
+        raise ValueError(
+            f"torch_odc.integrations.hf: step {step}: the plan runs sequences "
+            f"{bad[:5]} {[seen[i] for i in bad[:5]]} times (must be once each)"
+        )
     return out
 
 
@@ -432,9 +501,25 @@ class _StepData(torch.utils.data.Dataset):
     """The epoch's optimizer steps: item (epoch, step) is this rank's collated share of it.
     Runs in the DataLoader's workers when there are any; holds no trainer."""
 
-    def __init__(self, dataset, collate, lengths, per_step, world, rank, planner, shuffle, seed,
-                 drop_last, costs=None, rows=None, per_device=None, padding_free=False,
-                 plain_multiple=1, patches=None):
+    def __init__(
+        self,
+        dataset,
+        collate,
+        lengths,
+        per_step,
+        world,
+        rank,
+        planner,
+        shuffle,
+        seed,
+        drop_last,
+        costs=None,
+        rows=None,
+        per_device=None,
+        padding_free=False,
+        plain_multiple=1,
+        patches=None,
+    ):
         self.dataset, self.collate, self.lengths, self.costs = dataset, collate, lengths, costs
         self.per_step, self.world, self.rank, self.planner = per_step, world, rank, planner
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -465,15 +550,28 @@ class _StepData(torch.utils.data.Dataset):
             order, n = self.order(epoch), self.num_steps()
             best, prefix = ([] if self.patches is not None else 0), []
             for k in range(n):
-                ids = order[k * self.per_step:(k + 1) * self.per_step]
+                ids = order[k * self.per_step : (k + 1) * self.per_step]
                 rows = [self.rows[i] for i in ids]
                 if self.patches is not None:
-                    best = frontier([*best, *plain_microbatches(
-                        rows, [self.patches[i] for i in ids], self.per_device,
-                        self.padding_free, self.plain_multiple)])
+                    best = frontier(
+                        [
+                            *best,
+                            *plain_microbatches(
+                                rows,
+                                [self.patches[i] for i in ids],
+                                self.per_device,
+                                self.padding_free,
+                                self.plain_multiple,
+                            ),
+                        ]
+                    )
                 else:
-                    best = max(best, plain_largest_microbatch(
-                        rows, self.per_device, self.padding_free, self.plain_multiple))
+                    best = max(
+                        best,
+                        plain_largest_microbatch(
+                            rows, self.per_device, self.padding_free, self.plain_multiple
+                        ),
+                    )
                 prefix.append(best)
             self._plain_max = (epoch, prefix)
         return self._plain_max[1][step]
@@ -493,7 +591,7 @@ class _StepData(torch.utils.data.Dataset):
 
     def __getitem__(self, key) -> ODCStep:
         epoch, step = key
-        ids = self.order(epoch)[step * self.per_step:(step + 1) * self.per_step]
+        ids = self.order(epoch)[step * self.per_step : (step + 1) * self.per_step]
         lengths = [self.lengths[i] for i in ids]
         if self.rows is not None:  # the derived cap: LB-Mini assigns rows to ranks here
             plain = self.plain_up_to(epoch, step)
@@ -504,14 +602,27 @@ class _StepData(torch.utils.data.Dataset):
             else:
                 cap = plain
             costs = [self.costs[i] for i in ids] if self.costs is not None else None
-            plan = _checked_plan(self.planner(lengths, self.world, step, costs=costs, cap=cap),
-                                 len(ids), self.world, step)
+            plan = _checked_plan(
+                self.planner(lengths, self.world, step, costs=costs, cap=cap),
+                len(ids),
+                self.world,
+                step,
+            )
             assigned = [[ids[j] for mb in p for j in mb] for p in plan]
             features = {i: self.dataset[i] for i in assigned[self.rank]}
-            return ODCStep(None, None, None, epoch, step, assigned=assigned, features=features,
-                           collate=self.collate, plain_tokens=plain,
-                           order_position={i: j for j, i in enumerate(ids)},
-                           plain_frontier=points)
+            return ODCStep(
+                None,
+                None,
+                None,
+                epoch,
+                step,
+                assigned=assigned,
+                features=features,
+                collate=self.collate,
+                plain_tokens=plain,
+                order_position={i: j for j, i in enumerate(ids)},
+                plain_frontier=points,
+            )
         if self.costs is not None and isinstance(self.planner, _LBMini):
             plan = self.planner(lengths, self.world, step, costs=[self.costs[i] for i in ids])
         else:

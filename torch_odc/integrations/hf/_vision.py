@@ -28,8 +28,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["IMAGE_FIELDS", "PAIR_FIELDS", "TEXT_FIELDS", "check_microbatch", "image_patches",
-           "row_sizes"]
+__all__ = [
+    "IMAGE_FIELDS",
+    "PAIR_FIELDS",
+    "TEXT_FIELDS",
+    "check_microbatch",
+    "image_patches",
+    "row_sizes",
+]
 
 # A collated language-modeling row of the Qwen2-VL family's processors, and what TRL adds.
 TEXT_FIELDS = frozenset({"input_ids", "attention_mask", "labels", "mm_token_type_ids"})
@@ -37,8 +43,10 @@ TEXT_FIELDS = frozenset({"input_ids", "attention_mask", "labels", "mm_token_type
 PAIR_FIELDS = frozenset({"input_ids", "attention_mask", "completion_mask", "mm_token_type_ids"})
 IMAGE_FIELDS = frozenset({"pixel_values", "image_grid_thw"})
 
-SERVED = ("Qwen2-VL / Qwen2.5-VL images: ragged pixel_values split per image by image_grid_thw "
-          "(fields " + ", ".join(sorted(TEXT_FIELDS | IMAGE_FIELDS)) + ")")
+SERVED = (
+    "Qwen2-VL / Qwen2.5-VL images: ragged pixel_values split per image by image_grid_thw "
+    "(fields " + ", ".join(sorted(TEXT_FIELDS | IMAGE_FIELDS)) + ")"
+)
 
 
 def _refuse_unknown(batch: Mapping, where: str, text_fields=TEXT_FIELDS) -> None:
@@ -49,11 +57,13 @@ def _refuse_unknown(batch: Mapping, where: str, text_fields=TEXT_FIELDS) -> None
             + (f" (and {', '.join(map(repr, unknown[1:]))})" if len(unknown) > 1 else "")
             + ", a vision-language field ODC does not plan: how it splits per row and what it "
             f"costs are not worked out, so the gradient could not be kept exact. Served: "
-            f"{SERVED}")
+            f"{SERVED}"
+        )
     if "pixel_values" in batch and "image_grid_thw" not in batch:
         raise ValueError(
             f"{where}: the collated rows carry 'pixel_values' without 'image_grid_thw' (dense "
-            f"per-image pixels, another model family's layout): not served. Served: {SERVED}")
+            f"per-image pixels, another model family's layout): not served. Served: {SERVED}"
+        )
 
 
 def image_patches(batch: Mapping, where: str) -> list[int]:
@@ -67,19 +77,21 @@ def image_patches(batch: Mapping, where: str) -> list[int]:
         return []
     grid = torch.as_tensor(grid)
     if grid.dim() != 2 or grid.shape[-1] != 3:
-        raise ValueError(f"{where}: 'image_grid_thw' of shape {tuple(grid.shape)}, expected "
-                         "(images, 3)")
+        raise ValueError(
+            f"{where}: 'image_grid_thw' of shape {tuple(grid.shape)}, expected (images, 3)"
+        )
     patches = [int(n) for n in grid.prod(-1).tolist()]
     rows = 0 if pixels is None else int(pixels.shape[0])
     if rows != sum(patches):
-        raise ValueError(f"{where}: 'pixel_values' holds {rows} patches, 'image_grid_thw' names "
-                         f"{sum(patches)}: not the Qwen2-VL layout (one pixel_values row per "
-                         "patch)")
+        raise ValueError(
+            f"{where}: 'pixel_values' holds {rows} patches, 'image_grid_thw' names "
+            f"{sum(patches)}: not the Qwen2-VL layout (one pixel_values row per "
+            "patch)"
+        )
     return patches
 
 
-def row_sizes(batch: Mapping, where: str, text_fields=TEXT_FIELDS,
-              sequences: int = 1) -> tuple:
+def row_sizes(batch: Mapping, where: str, text_fields=TEXT_FIELDS, sequences: int = 1) -> tuple:
     """A row collated alone: (its tokens, the vision patches of each of its images). The
     tokens are the row's unpadded length (the attention mask's ones, else the width). A row of
     several ``sequences`` (a preference pair: chosen, rejected) gives a tuple of their lengths
@@ -87,11 +99,16 @@ def row_sizes(batch: Mapping, where: str, text_fields=TEXT_FIELDS,
     _refuse_unknown(batch, where, text_fields)
     ids = batch["input_ids"]
     if ids.dim() != 2 or ids.shape[0] != sequences:
-        raise ValueError(f"{where}: a row collated alone gave input_ids of shape "
-                         f"{tuple(ids.shape)}, expected {sequences} sequence(s)")
+        raise ValueError(
+            f"{where}: a row collated alone gave input_ids of shape "
+            f"{tuple(ids.shape)}, expected {sequences} sequence(s)"
+        )
     mask = batch.get("attention_mask")
-    lengths = (tuple(int(n) for n in mask.sum(dim=1)) if mask is not None
-               else (int(ids.shape[1]),) * sequences)
+    lengths = (
+        tuple(int(n) for n in mask.sum(dim=1))
+        if mask is not None
+        else (int(ids.shape[1]),) * sequences
+    )
     return (lengths[0] if sequences == 1 else lengths), tuple(image_patches(batch, where))
 
 
@@ -103,4 +120,5 @@ def check_microbatch(batch: Mapping, want: Sequence[int], where: str) -> None:
         raise RuntimeError(
             f"{where}: a microbatch's collated images ({len(got)} images, patches {got[:8]}) "
             f"are not its rows' ({len(want)} images, patches {list(want)[:8]}): the collator "
-            "did not give each row its own images as it did for the row alone")
+            "did not give each row its own images as it did for the row alone"
+        )

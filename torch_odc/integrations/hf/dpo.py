@@ -31,8 +31,20 @@ __all__ = ["PAIRWISE_LOSS_TYPES", "ODCDPOTrainerMixin"]
 _WHERE = "torch_odc.integrations.hf (DPOTrainer)"
 
 # TRL 1.16's loss types whose loss is a function of one pair only.
-PAIRWISE_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
-                       "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+PAIRWISE_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+)
 # Types that couple the pairs of a microbatch: their value depends on how pairs are split.
 _COUPLED = {
     "aot": "sorts the microbatch's log-ratio differences and pairs them up in sorted order",
@@ -44,10 +56,21 @@ _TOKEN_MEAN = ("sft",)
 _NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
 _METRIC_KEYS = (
-    "pairs", "completion_tokens", "entropy", "attention_tokens", "chosen_tokens",
-    "chosen_logits", "rejected_tokens", "rejected_logits", "chosen_correct",
-    "rewards_chosen", "rewards_rejected", "rewards_accuracies", "rewards_margins",
-    "logps_chosen", "logps_rejected",
+    "pairs",
+    "completion_tokens",
+    "entropy",
+    "attention_tokens",
+    "chosen_tokens",
+    "chosen_logits",
+    "rejected_tokens",
+    "rejected_logits",
+    "chosen_correct",
+    "rewards_chosen",
+    "rewards_rejected",
+    "rewards_accuracies",
+    "rewards_margins",
+    "logps_chosen",
+    "logps_rejected",
 )
 
 
@@ -57,26 +80,34 @@ def _check_loss_types(loss_types, use_weighting: bool) -> None:
             raise ValueError(
                 f"{_WHERE}: loss_type {name!r} {_COUPLED[name]}, so its loss depends on which "
                 "pairs share a microbatch and ODC's plan would change the gradient. Use a "
-                f"per-pair loss type ({', '.join(PAIRWISE_LOSS_TYPES)}) or plain TRL.")
+                f"per-pair loss type ({', '.join(PAIRWISE_LOSS_TYPES)}) or plain TRL."
+            )
         if name not in PAIRWISE_LOSS_TYPES and name not in _TOKEN_MEAN:
             raise ValueError(
                 f"{_WHERE}: loss_type {name!r} is not known to this adapter (written for TRL "
                 f"1.16's types: {', '.join(PAIRWISE_LOSS_TYPES + _TOKEN_MEAN)}); whether it "
-                "couples the pairs of a microbatch is unknown, so it is refused.")
+                "couples the pairs of a microbatch is unknown, so it is refused."
+            )
     if use_weighting and "sft" in loss_types:
         raise ValueError(
             f"{_WHERE}: use_weighting with loss_type 'sft': TRL multiplies the microbatch's "
             "token-mean SFT loss by the mean of the microbatch's pair weights, a product that "
-            "depends on how pairs are split. Drop one of the two.")
+            "depends on how pairs are split. Drop one of the two."
+        )
 
 
 def _constructor_args(cls, args, kwargs) -> dict:
     """The DPOTrainer constructor's arguments by name (for checks before it runs)."""
     from trl import DPOTrainer
 
-    init = next((c.__init__ for c in cls.__mro__
-                 if issubclass(c, DPOTrainer) and not issubclass(c, ODCTrainerMixin)),
-                DPOTrainer.__init__)
+    init = next(
+        (
+            c.__init__
+            for c in cls.__mro__
+            if issubclass(c, DPOTrainer) and not issubclass(c, ODCTrainerMixin)
+        ),
+        DPOTrainer.__init__,
+    )
     kwargs = {k: v for k, v in kwargs.items() if k != "odc"}
     try:
         return inspect.signature(init).bind_partial(None, *args, **kwargs).arguments
@@ -117,18 +148,24 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
             # Before DPOTrainer tokenizes the data and precomputes reference log-probs.
             _check_loss_types(config.loss_type, config.use_weighting)
             if config.sync_ref_model:
-                raise ValueError(f"{_WHERE}: sync_ref_model is not supported (the reference "
-                                 "model would be mixed with the sharded policy every "
-                                 "ref_model_sync_steps)")
+                raise ValueError(
+                    f"{_WHERE}: sync_ref_model is not supported (the reference "
+                    "model would be mixed with the sharded policy every "
+                    "ref_model_sync_steps)"
+                )
             dataset = bound.get("train_dataset")
-            if (config.precompute_ref_log_probs and config.world_size > 1
-                    and not getattr(dataset, "cache_files", None)):
+            if (
+                config.precompute_ref_log_probs
+                and config.world_size > 1
+                and not getattr(dataset, "cache_files", None)
+            ):
                 raise ValueError(
                     f"{_WHERE}: precompute_ref_log_probs on {config.world_size} ranks needs a "
                     "training dataset on disk: TRL writes the reference log-probs next to the "
                     "dataset's cache files on rank 0 and every rank reads that file (an "
                     "in-memory dataset gets a different temporary file per rank). Save it "
-                    "with dataset.save_to_disk(path) and pass datasets.load_from_disk(path).")
+                    "with dataset.save_to_disk(path) and pass datasets.load_from_disk(path)."
+                )
         super().__init__(*args, **kwargs)
 
     # -- construction checks -------------------------------------------------------------------
@@ -138,20 +175,28 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
         _check_loss_types(self.loss_types, self.use_weighting)
         if len(self.loss_weights) != len(self.loss_types):
-            raise ValueError(f"{_WHERE}: {len(self.loss_weights)} loss_weights for "
-                             f"{len(self.loss_types)} loss types")
+            raise ValueError(
+                f"{_WHERE}: {len(self.loss_weights)} loss_weights for "
+                f"{len(self.loss_types)} loss types"
+            )
         if self.aux_loss_enabled:
-            raise ValueError(f"{_WHERE}: the MoE auxiliary loss (router_aux_loss_coef) is a "
-                             "per-microbatch mean; not supported (set router_aux_loss_coef=0)")
+            raise ValueError(
+                f"{_WHERE}: the MoE auxiliary loss (router_aux_loss_coef) is a "
+                "per-microbatch mean; not supported (set router_aux_loss_coef=0)"
+            )
         if self.args.sync_ref_model:
             raise ValueError(f"{_WHERE}: sync_ref_model is not supported")
-        if (not self.precompute_ref_logps and self.ref_model is not None
-                and any(isinstance(m, FSDPModule) for m in self.ref_model.modules())):
+        if (
+            not self.precompute_ref_logps
+            and self.ref_model is not None
+            and any(isinstance(m, FSDPModule) for m in self.ref_model.modules())
+        ):
             raise ValueError(
                 f"{_WHERE}: the reference model is sharded with FSDP, so its forward in every "
                 "microbatch would be a collective that ranks with different microbatch counts "
                 "cannot all call. Use precompute_ref_log_probs=True, or train a PEFT adapter "
-                "(the reference is the model with the adapter disabled, no ref_model).")
+                "(the reference is the model with the adapter disabled, no ref_model)."
+            )
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -170,9 +215,12 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
             lengths, images = [], []
             for i in range(len(dataset)):
-                pair, im = _vision.row_sizes(self.data_collator([dataset[i]]),
-                                             f"{_WHERE}: training pair {i}",
-                                             _vision.PAIR_FIELDS, sequences=2)
+                pair, im = _vision.row_sizes(
+                    self.data_collator([dataset[i]]),
+                    f"{_WHERE}: training pair {i}",
+                    _vision.PAIR_FIELDS,
+                    sequences=2,
+                )
                 lengths.append(pair)
                 images.append(im)
             self._odc_vision_rows = images
@@ -180,16 +228,20 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         columns = ("prompt_ids", "chosen_ids", "rejected_ids")
         names = getattr(dataset, "column_names", None)
         if names is not None and not set(columns) <= set(names):
-            raise ValueError(f"{_WHERE}: the training dataset has no {columns} columns (got "
-                             f"{names}); pass a dataset that DPOTrainer tokenizes")
+            raise ValueError(
+                f"{_WHERE}: the training dataset has no {columns} columns (got "
+                f"{names}); pass a dataset that DPOTrainer tokenizes"
+            )
         try:
             prompt, chosen, rejected = ([len(x) for x in dataset[c]] for c in columns)
         except (KeyError, TypeError):
             rows = [dataset[i] for i in range(len(dataset))]
             prompt, chosen, rejected = ([len(r[c]) for r in rows] for c in columns)
         cap = self.args.max_length if self.args.max_length is not None else math.inf
-        return [(int(min(p + c, cap)), int(min(p + r, cap)))
-                for p, c, r in zip(prompt, chosen, rejected, strict=True)]
+        return [
+            (int(min(p + c, cap)), int(min(p + r, cap)))
+            for p, c, r in zip(prompt, chosen, rejected, strict=True)
+        ]
 
     def _odc_row_images(self, dataset):
         return getattr(self, "_odc_vision_rows", None)
@@ -197,7 +249,7 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
     def _odc_microbatch_images(self, rows, images) -> list[int]:
         # TRL's vision preference collator takes the microbatch's images twice: every pair's
         # with the chosen rows, then every pair's again with the rejected rows.
-        first = [n for i in rows for n in images[i][:len(images[i]) // 2]]
+        first = [n for i in rows for n in images[i][: len(images[i]) // 2]]
         return first + first
 
     def _odc_collator_pads(self, collator) -> bool:
@@ -212,7 +264,8 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         if "sft" in self.loss_types:
             totals["chosen_tokens"] = sum(
                 int(b["completion_mask"][..., 1:].chunk(2, dim=0)[0].sum())
-                for b in step.microbatches)
+                for b in step.microbatches
+            )
         return totals
 
     def _odc_metric_keys(self) -> tuple[str, ...]:
@@ -231,8 +284,14 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         m["logits/chosen"].append(ratio("chosen_logits", "chosen_tokens"))
         m["logits/rejected"].append(ratio("rejected_logits", "rejected_tokens"))
         m["mean_token_accuracy"].append(ratio("chosen_correct", "chosen_tokens"))
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
-                    "rewards/margins", "logps/chosen", "logps/rejected"):
+        for key in (
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/accuracies",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ):
             m[key].append(ratio(key.replace("/", "_"), "pairs"))
 
     def _odc_sequence_logps(self, per_token, shifted_mask):
@@ -250,12 +309,15 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
     def _odc_reference_logps(self, model, model_kwargs, labels, inputs, seq_len):
         if self.precompute_ref_logps:
             return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        disable_gradient_checkpointing = _compat.load("trl.models.utils",
-                                                      "disable_gradient_checkpointing")
+        disable_gradient_checkpointing = _compat.load(
+            "trl.models.utils", "disable_gradient_checkpointing"
+        )
         use_adapter = _compat.load("trl.trainer.utils", "use_adapter")
         shifted = inputs["completion_mask"][..., 1:]
-        with torch.no_grad(), disable_gradient_checkpointing(
-                self.model, self.args.gradient_checkpointing_kwargs):
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
             if self.ref_model is None:  # a PEFT model (checked): the adapter off, or "ref" on
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 name = "ref" if "ref" in unwrapped.peft_config else None
@@ -297,14 +359,18 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
             return (d - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * d)
         if name == "exo_pair":
             e = torch.tensor(eps, device=z.device)
-            return (torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-e))
-                    + torch.sigmoid(-z) * (F.logsigmoid(-z) - torch.log(e)))
+            return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(-e)) + torch.sigmoid(-z) * (
+                F.logsigmoid(-z) - torch.log(e)
+            )
         if name == "robust":
             return ((-(1 - eps) * F.logsigmoid(z)) - (-eps * F.logsigmoid(-z))) / (1 - 2 * eps)
         chosen_r, rejected_r = beta * chosen_lr, beta * rejected_lr
         if name == "nca_pair":
-            return (-F.logsigmoid(chosen_r) - 0.5 * F.logsigmoid(-chosen_r)
-                    - 0.5 * F.logsigmoid(-rejected_r))
+            return (
+                -F.logsigmoid(chosen_r)
+                - 0.5 * F.logsigmoid(-chosen_r)
+                - 0.5 * F.logsigmoid(-rejected_r)
+            )
         if name == "bco_pair":
             return -F.logsigmoid(chosen_r) - F.logsigmoid(-rejected_r)
         if name == "sppo_hard":
@@ -320,8 +386,9 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (self._odc_in_step and self.model.training):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if return_outputs:
             raise NotImplementedError(f"{_WHERE}: return_outputs in training")
         completion_mask = inputs["completion_mask"]
@@ -334,8 +401,9 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         out = model(**model_kwargs, labels=labels, fused_lm_head=True)
         per_token = out.log_probs[:, -seq_len:]
         chosen_logps, rejected_logps = self._odc_sequence_logps(per_token, shifted).chunk(2)
-        ref_chosen, ref_rejected = self._odc_reference_logps(model, model_kwargs, labels, inputs,
-                                                             seq_len)
+        ref_chosen, ref_rejected = self._odc_reference_logps(
+            model, model_kwargs, labels, inputs, seq_len
+        )
         chosen_lr, rejected_lr = chosen_logps - ref_chosen, rejected_logps - ref_rejected
         chosen_sc, rejected_sc = self._odc_scores(chosen_lr), self._odc_scores(rejected_lr)
         lengths = tuple(m.sum(dim=1).clamp(min=1.0) for m in completion_mask.chunk(2, dim=0))
@@ -355,20 +423,24 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
             if name == "sft":
                 chosen_tokens = per_token.chunk(2, dim=0)[0][shifted.chunk(2, dim=0)[0].bool()]
                 loss = loss + weight * world * (-chosen_tokens.sum()) / max(
-                    totals["chosen_tokens"], 1.0)
+                    totals["chosen_tokens"], 1.0
+                )
                 continue
-            per_pair = self._odc_pair_loss(name, chosen_lr, rejected_lr, chosen_sc, rejected_sc,
-                                           lengths)
+            per_pair = self._odc_pair_loss(
+                name, chosen_lr, rejected_lr, chosen_sc, rejected_sc, lengths
+            )
             if weights is not None:
                 per_pair = per_pair * weights
             loss = loss + weight * world * per_pair.sum() / totals["pairs"]
-        self._odc_add_metrics(inputs, out, shifted, seq_len, chosen_lr, rejected_lr,
-                              chosen_logps, rejected_logps)
+        self._odc_add_metrics(
+            inputs, out, shifted, seq_len, chosen_lr, rejected_lr, chosen_logps, rejected_logps
+        )
         return loss
 
     @torch.no_grad()
-    def _odc_add_metrics(self, inputs, out, shifted, seq_len, chosen_lr, rejected_lr,
-                         chosen_logps, rejected_logps) -> None:
+    def _odc_add_metrics(
+        self, inputs, out, shifted, seq_len, chosen_lr, rejected_lr, chosen_logps, rejected_logps
+    ) -> None:
         s = self._odc_sums
         chosen_mask, rejected_mask = (m.bool() for m in shifted.chunk(2, dim=0))
         s["pairs"] += chosen_lr.size(0)
@@ -380,8 +452,9 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
         s["chosen_logits"] += float(chosen_logits[chosen_mask].sum())
         s["rejected_tokens"] += float(rejected_mask.sum())
         s["rejected_logits"] += float(rejected_logits[rejected_mask].sum())
-        s["chosen_correct"] += float((out.is_top1[:, -seq_len:].chunk(2, dim=0)[0]
-                                      & chosen_mask).sum())
+        s["chosen_correct"] += float(
+            (out.is_top1[:, -seq_len:].chunk(2, dim=0)[0] & chosen_mask).sum()
+        )
         chosen_r, rejected_r = self.beta * chosen_lr, self.beta * rejected_lr
         s["rewards_chosen"] += float(chosen_r.sum())
         s["rewards_rejected"] += float(rejected_r.sum())

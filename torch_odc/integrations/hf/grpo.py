@@ -74,8 +74,14 @@ VERIFIED_TRL = _compat.VERIFIED_TRL_GRPO
 # What a TRL slice may hold, by how its rows are laid out. Anything else is refused: the adapter
 # would not know how to trim, move or weight it.
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # left-padded
-COMPLETION_KEYS = ("completion_ids", "completion_mask", "tool_mask", "old_per_token_logps",
-                   "ref_per_token_logps", "sampling_per_token_logps")  # right-padded
+COMPLETION_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "tool_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+)  # right-padded
 ROW_KEYS = ("advantages",)  # (B,), or (B, T) completion-aligned from a subclass
 STEP_KEYS = ("num_items_in_batch",)  # the generation batch's loss tokens over all ranks
 # A vision-language model of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL): TRL 1.16's slice also
@@ -93,8 +99,19 @@ LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo", "dapo", "cispo", "vesp
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # log clip_ratio/*
 
 # Per-slice metric sums (reduced once per step; a slice = one TRL microbatch index).
-SUMS = ("kl", "entropy", "token_count", "low", "high", "region", "clip_count", "cispo",
-        "phi", "row_count", "policy")
+SUMS = (
+    "kl",
+    "entropy",
+    "token_count",
+    "low",
+    "high",
+    "region",
+    "clip_count",
+    "cispo",
+    "phi",
+    "row_count",
+    "policy",
+)
 
 
 @dataclasses.dataclass
@@ -155,8 +172,9 @@ class _Rows:
         if _VISION not in self.tensors:
             return None
         grid = self.tensors["image_grid_thw"].prod(-1).tolist()
-        return [tuple(g[:k]) for g, k in zip(grid, self.tensors[_VISION][:, 0].tolist(),
-                                               strict=True)]
+        return [
+            tuple(g[:k]) for g, k in zip(grid, self.tensors[_VISION][:, 0].tolist(), strict=True)
+        ]
 
     def shapes(self) -> list[tuple[int, int]]:
         """(prompt length, completion length) per row: a microbatch is padded to its longest
@@ -201,27 +219,35 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_check_loss(self) -> None:
         a = self.args
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"{WHERE}: loss_type={self.loss_type!r} is not supported "
-                             f"(supported: {', '.join(LOSS_TYPES)})")
+            raise ValueError(
+                f"{WHERE}: loss_type={self.loss_type!r} is not supported "
+                f"(supported: {', '.join(LOSS_TYPES)})"
+            )
         if self.top_entropy_quantile < 1.0:
             raise ValueError(
                 f"{WHERE}: top_entropy_quantile={self.top_entropy_quantile} < 1: TRL keeps the "
                 "tokens above an entropy quantile of each microbatch (gathered over the ranks' "
                 "microbatches of the same index), which depends on how rollouts are split into "
-                "microbatches. Set top_entropy_quantile=1.0.")
+                "microbatches. Set top_entropy_quantile=1.0."
+            )
         if self.aux_loss_enabled:
             raise ValueError(
                 f"{WHERE}: the MoE load-balancing loss (router_aux_loss_coef="
                 f"{self.router_aux_loss_coef}) is a mean over each microbatch's routing, which "
-                "depends on the split. Set router_aux_loss_coef=0.")
+                "depends on the split. Set router_aux_loss_coef=0."
+            )
         if self.use_vllm:
-            raise ValueError(f"{WHERE}: use_vllm=True is not supported yet (its importance "
-                             "sampling tensors are not verified here); generate with "
-                             "transformers (use_vllm=False)")
+            raise ValueError(
+                f"{WHERE}: use_vllm=True is not supported yet (its importance "
+                "sampling tensors are not verified here); generate with "
+                "transformers (use_vllm=False)"
+            )
         if a.include_num_input_tokens_seen not in ("no", False, None):
-            raise ValueError(f"{WHERE}: include_num_input_tokens_seen: GRPOTrainer counts the "
-                             "prompt and completion tokens itself (logged as num_tokens); "
-                             "leave it at 'no'")
+            raise ValueError(
+                f"{WHERE}: include_num_input_tokens_seen: GRPOTrainer counts the "
+                "prompt and completion tokens itself (logged as num_tokens); "
+                "leave it at 'no'"
+            )
 
     @property
     def _odc_rebalance(self) -> bool:
@@ -234,8 +260,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return inputs
         if self.model.training and _compat.read(self, "_is_vlm", False):
             every = self.args.steps_per_generation * self.num_iterations
-            if (_compat.read(self, "_step") % every == 0
-                    or _compat.read(self, "_buffered_inputs") is None):
+            if (
+                _compat.read(self, "_step") % every == 0
+                or _compat.read(self, "_buffered_inputs") is None
+            ):
                 _refuse_mixed_images(inputs)  # this batch is the one TRL generates from
         return super()._prepare_inputs(inputs)
 
@@ -245,11 +273,14 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 raise ValueError("The GRPOTrainer does not support returning outputs")
             return self._odc_loss(model, inputs)
         if self._odc_in_step:  # TRL's own loss on the adapter's rows would be a wrong gradient
-            raise RuntimeError(f"{WHERE}: compute_loss got a {type(inputs).__name__}, not the "
-                               "adapter's microbatch: something between training_step and "
-                               "compute_loss rebuilt the batch")
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+            raise RuntimeError(
+                f"{WHERE}: compute_loss got a {type(inputs).__name__}, not the "
+                "adapter's microbatch: something between training_step and "
+                "compute_loss rebuilt the batch"
+            )
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -273,7 +304,8 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         slices, self._odc_slices = self._odc_slices, []
         loss = self._odc_run_step(model, slices)
         _compat.read(self, "_metrics")["train"]["step_time"].append(
-            self._odc_step_seconds + time.perf_counter() - start)
+            self._odc_step_seconds + time.perf_counter() - start
+        )
         self._odc_step_seconds = 0.0
         return loss
 
@@ -282,9 +314,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
         g = len(slices)
         if g != self.current_gradient_accumulation_steps:
-            raise RuntimeError(f"{WHERE}: step {self.state.global_step}: {g} TRL microbatches "
-                               "kept, the Trainer counts "
-                               f"{self.current_gradient_accumulation_steps}")
+            raise RuntimeError(
+                f"{WHERE}: step {self.state.global_step}: {g} TRL microbatches "
+                "kept, the Trainer counts "
+                f"{self.current_gradient_accumulation_steps}"
+            )
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         step = self.state.global_step
         host, self._odc_host = self._odc_host, {}
@@ -303,8 +337,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 counts, rollouts = plan_counts
             else:
                 lengths = rows.lengths()
-                plan = (self._odc_plan(lengths, rows.shapes(), 1, step, plain, rows.images())
-                        if lengths else [[]])
+                plan = (
+                    self._odc_plan(lengths, rows.shapes(), 1, step, plain, rows.images())
+                    if lengths
+                    else [[]]
+                )
                 self._odc_note_work(plan, rows.shapes())
                 mine, counts, rollouts = plan[0], None, None
                 meta = {(rank, k): v for k, v in meta.items()}
@@ -345,31 +382,37 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         if probe is not None:
             self._odc_autocap.finish_step(self._odc_handle)
         with _Phase(host, "metrics"):
-            counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts,
-                                                        rollouts)
-        record = {"step": step, "microbatches": counts, "rollouts": rollouts,
-                  # this rank's host seconds by part (a part that waits for the device holds
-                  # the device's time): free (at the step's first TRL microbatch), rows,
-                  # exchange (lengths, plan, all-to-all), restore, weights, microbatches (one
-                  # each), barrier, metrics
-                  "host_seconds": host,
-                  "moved": self._odc_moved,
-                  "gradient_memory_freed": self._odc_freed,
-                  # free + restore of this step (host seconds; they synchronize with the device)
-                  "gradient_memory_s": self.odc_gradient_memory_s - self._odc_gm_mark,
-                  # of which the engine's parts (free, waits, allocating, mapping the peers')
-                  "gradient_memory_parts": self._odc_gradient_memory_parts()}
+            counts, rollouts = self._odc_record_metrics(g, len(mine), len(rows), counts, rollouts)
+        record = {
+            "step": step,
+            "microbatches": counts,
+            "rollouts": rollouts,
+            # this rank's host seconds by part (a part that waits for the device holds
+            # the device's time): free (at the step's first TRL microbatch), rows,
+            # exchange (lengths, plan, all-to-all), restore, weights, microbatches (one
+            # each), barrier, metrics
+            "host_seconds": host,
+            "moved": self._odc_moved,
+            "gradient_memory_freed": self._odc_freed,
+            # free + restore of this step (host seconds; they synchronize with the device)
+            "gradient_memory_s": self.odc_gradient_memory_s - self._odc_gm_mark,
+            # of which the engine's parts (free, waits, allocating, mapping the peers')
+            "gradient_memory_parts": self._odc_gradient_memory_parts(),
+        }
         self._odc_gm_mark = self.odc_gradient_memory_s
         if self._odc_cap is not None:
             # Each rank's padded tokens in the step under ODC (after the exchange; in all and
             # per microbatch, beside host_seconds' time per microbatch) and in TRL's own
             # microbatches: the work the benchmarks take the planner's bound from.
-            record.update(cap=self._odc_cap[0], plain_tokens=self._odc_cap[1],
-                          padded_tokens=padded,
-                          padded_per_rank=[sum(w) for w in self._odc_work],
-                          microbatch_padded_per_rank=self._odc_work,
-                          plain_padded_per_rank=self._odc_plain_work,
-                          **self._odc_autocap.describe())
+            record.update(
+                cap=self._odc_cap[0],
+                plain_tokens=self._odc_cap[1],
+                padded_tokens=padded,
+                padded_per_rank=[sum(w) for w in self._odc_work],
+                microbatch_padded_per_rank=self._odc_work,
+                plain_padded_per_rank=self._odc_plain_work,
+                **self._odc_autocap.describe(),
+            )
         self.odc_steps.append(record)
         return total.detach()
 
@@ -387,8 +430,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_gradient_memory_parts(self) -> dict:
         """The engine's host seconds in free / restore since the last call, by part."""
         now = self._odc_handle.stats()["gradient_memory"] if self._odc_handle else {}
-        parts = {k: v - self._odc_gm_parts.get(k, 0) for k, v in now.items()
-                 if k.endswith("_s")}
+        parts = {k: v - self._odc_gm_parts.get(k, 0) for k, v in now.items() if k.endswith("_s")}
         self._odc_gm_parts = now
         return parts
 
@@ -404,8 +446,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             want = self.AUTO_MULTIPLE if cuda else 1
         return left_padded_widths(prompt, completion, self.pad_to_multiple_of or 1, cuda, want)
 
-    def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int,
-                  images=None) -> list:
+    def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int, images=None) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the
         user's planner or LB-Mini at the configured cap; with the derived cap, LB-Mini assigns
         the rows to ranks and each rank's rows are packed into microbatches of at most the
@@ -416,32 +457,42 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 f"{WHERE}: the derived cap (max_tokens_per_microbatch=None) is not worked out "
                 "for rollouts with images (TRL's microbatch memory then grows with its vision "
                 "patches as well as its tokens); set ODCConfig.max_tokens_per_microbatch: it "
-                "caps a microbatch's unpadded tokens plus its vision patches")
+                "caps a microbatch's unpadded tokens plus its vision patches"
+            )
         if not self.odc.auto_cap:
             if images is not None and self.odc.planner is None:
                 # LB-Mini's cost: a row's tokens and each of its images as a sequence of its
                 # patches under the same cost model (as the SFT adapter's rows with images).
-                costs = _row_costs([(n - sum(im),) for n, im in zip(lengths, images,
-                                                                    strict=True)],
-                                   self.odc, images)
-                return _checked_plan(planner(lengths, world, step, costs=costs), len(lengths),
-                                     world, step)
+                costs = _row_costs(
+                    [(n - sum(im),) for n, im in zip(lengths, images, strict=True)],
+                    self.odc,
+                    images,
+                )
+                return _checked_plan(
+                    planner(lengths, world, step, costs=costs), len(lengths), world, step
+                )
             return _checked_plan(planner(lengths, world, step), len(lengths), world, step)
         cap = self._odc_autocap.cap(plain)
         self._odc_cap = (cap, plain)
-        plan = _checked_plan(planner(lengths, world, step, cap=max(plain, max(lengths))),
-                             len(lengths), world, step)
-        plan = [pack_padded([i for m in p for i in m], lambda i: (1, tuple(shapes[i])),
-                            lambda dims: sum(self._odc_widths(*dims)), cap)
-                for p in plan]
+        plan = _checked_plan(
+            planner(lengths, world, step, cap=max(plain, max(lengths))), len(lengths), world, step
+        )
+        plan = [
+            pack_padded(
+                [i for m in p for i in m],
+                lambda i: (1, tuple(shapes[i])),
+                lambda dims: sum(self._odc_widths(*dims)),
+                cap,
+            )
+            for p in plan
+        ]
         return plan
 
     def _odc_note_work(self, plan, shapes) -> None:
         """Each rank's padded tokens per microbatch under the step's final plan (derived cap
         only)."""
         if self._odc_cap is not None:
-            self._odc_work = [[self._odc_padded([shapes[i] for i in mb]) for mb in p]
-                              for p in plan]
+            self._odc_work = [[self._odc_padded([shapes[i] for i in mb]) for mb in p] for p in plan]
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -461,15 +512,17 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     f"{WHERE}: TRL's microbatch carries {vision} without {missing}: not the "
                     "layout of the Qwen2-VL family's processors (ragged pixel_values split per "
                     "image by image_grid_thw, num_images, mm_token_type_ids), the only one the "
-                    "adapter lays out per rollout")
+                    "adapter lays out per rollout"
+                )
         for key, value in first.items():
             if value is None or key in STEP_KEYS or key in VISION_KEYS:
                 continue
             if not isinstance(value, torch.Tensor):
-                raise ValueError(
+                raise ValueError(  # noqa: TRY004  (an unsupported batch layout, as the others)
                     f"{WHERE}: TRL's microbatch carries {key!r} (a {type(value).__name__}), "
                     "which the adapter cannot repack; it lays out only "
-                    f"{PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS + VISION_KEYS}")
+                    f"{PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS + VISION_KEYS}"
+                )
             if key in PROMPT_KEYS:
                 layout.append((key, "prompt"))
             elif key in COMPLETION_KEYS or (key in ROW_KEYS and value.dim() == 2):
@@ -482,14 +535,24 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     "(another vision-language family's field, vLLM importance sampling or a "
                     "subclass's own field); it lays out only "
                     f"{PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + STEP_KEYS} and the Qwen2-VL "
-                    f"family's {VISION_KEYS}")
-        for need in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                     "advantages"):
+                    f"family's {VISION_KEYS}"
+                )
+        for need in (
+            "prompt_ids",
+            "prompt_mask",
+            "completion_ids",
+            "completion_mask",
+            "advantages",
+        ):
             if need not in first:
                 raise ValueError(f"{WHERE}: TRL's microbatch has no {need!r}")
         if vision:
-            layout += [("mm_token_type_ids", "prompt"), ("pixel_values", "patches"),
-                       ("image_grid_thw", "images"), (_VISION, "row")]
+            layout += [
+                ("mm_token_type_ids", "prompt"),
+                ("pixel_values", "patches"),
+                ("image_grid_thw", "images"),
+                (_VISION, "row"),
+            ]
         return layout
 
     def _odc_rows(self, slices: list[dict], rank: int):
@@ -506,12 +569,15 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     "prompts): a repacked microbatch would mix them, and a text-only rollout's "
                     "positions would then be computed as in an image batch, not as TRL computes "
                     "them; not served. Keep every generation batch of a vision-language run "
-                    "with images in every prompt, or with none in any.")
+                    "with images in every prompt, or with none in any."
+                )
             if other != keys:
                 raise ValueError(f"{WHERE}: TRL's microbatches of one step carry different keys")
         slices = [self._odc_vision_rows(s) if _VISION in keys else s for s in slices]
-        widths = {"prompt": max(s["prompt_ids"].size(1) for s in slices),
-                  "completion": max(s["completion_ids"].size(1) for s in slices)}
+        widths = {
+            "prompt": max(s["prompt_ids"].size(1) for s in slices),
+            "completion": max(s["completion_ids"].size(1) for s in slices),
+        }
         if _VISION in keys:
             widths["patches"] = max(s["pixel_values"].size(1) for s in slices)
             widths["images"] = max(s["image_grid_thw"].size(1) for s in slices)
@@ -526,12 +592,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             left = torch.arange(P, device=pmask.device) >= (P - plen)[:, None]
             right = torch.arange(C, device=cmask.device) < clen[:, None]
             if not (torch.equal(pmask != 0, left) and torch.equal(cmask != 0, right)):
-                raise ValueError(f"{WHERE}: a rollout's prompt mask is not a left padding or its "
-                                 "completion mask not a right padding; cannot trim it")
+                raise ValueError(
+                    f"{WHERE}: a rollout's prompt mask is not a left padding or its "
+                    "completion mask not a right padding; cannot trim it"
+                )
             n = pmask.size(0)
             ngen = s.get("num_items_in_batch")
-            slice_meta[k] = (n, int(loss_mask.sum()), -1 if ngen is None else int(ngen),
-                             C == 1)
+            slice_meta[k] = (n, int(loss_mask.sum()), -1 if ngen is None else int(ngen), C == 1)
             for key, kind in layout:
                 t = s[key]
                 if kind == "prompt":
@@ -541,10 +608,19 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 elif kind in ("patches", "images"):
                     t = _fit_rows(t, widths[kind])
                 tensors[key].append(t)
-            metas.append(torch.stack([torch.full_like(plen, rank), torch.full_like(plen, k),
-                                      plen, clen, loss_mask.sum(-1).to(plen.dtype)], dim=1))
-        rows = _Rows({key: torch.cat(v) for key, v in tensors.items()},
-                     torch.cat(metas).long())
+            metas.append(
+                torch.stack(
+                    [
+                        torch.full_like(plen, rank),
+                        torch.full_like(plen, k),
+                        plen,
+                        clen,
+                        loss_mask.sum(-1).to(plen.dtype),
+                    ],
+                    dim=1,
+                )
+            )
+        rows = _Rows({key: torch.cat(v) for key, v in tensors.items()}, torch.cat(metas).long())
         self._odc_layout_cache = layout
         return rows, slice_meta
 
@@ -560,48 +636,67 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         counts = [int(c) for c in s["num_images"]]
         grid, pixels, mm = s["image_grid_thw"], s["pixel_values"], s["mm_token_type_ids"]
         if len(counts) != n or sum(counts) != grid.size(0) or grid.dim() != 2:
-            raise ValueError(f"{WHERE}: num_images {counts} does not split image_grid_thw of "
-                             f"shape {tuple(grid.shape)} over {n} rollouts")
+            raise ValueError(
+                f"{WHERE}: num_images {counts} does not split image_grid_thw of "
+                f"shape {tuple(grid.shape)} over {n} rollouts"
+            )
         if min(counts, default=1) < 1:
-            raise ValueError(f"{WHERE}: a rollout without an image in a batch with images "
-                             f"(num_images {counts}): mixed image / text-only rollouts are not "
-                             "served")
+            raise ValueError(
+                f"{WHERE}: a rollout without an image in a batch with images "
+                f"(num_images {counts}): mixed image / text-only rollouts are not "
+                "served"
+            )
         patches = [int(x) for x in grid.prod(-1).tolist()]
         if pixels.dim() != 2 or pixels.size(0) != sum(patches):
-            raise ValueError(f"{WHERE}: pixel_values of shape {tuple(pixels.shape)} for "
-                             f"{sum(patches)} patches (image_grid_thw): not the Qwen2-VL layout "
-                             "(one pixel_values row per patch)")
+            raise ValueError(
+                f"{WHERE}: pixel_values of shape {tuple(pixels.shape)} for "
+                f"{sum(patches)} patches (image_grid_thw): not the Qwen2-VL layout "
+                "(one pixel_values row per patch)"
+            )
         P, C = s["prompt_ids"].size(1), s["completion_ids"].size(1)
         if mm.shape != (n, P + C) or bool(mm[:, P:].any()):
-            raise ValueError(f"{WHERE}: mm_token_type_ids of shape {tuple(mm.shape)} is not the "
-                             "prompt's types followed by zeros for the completion (images in a "
-                             "completion, from tools, are not served)")
+            raise ValueError(
+                f"{WHERE}: mm_token_type_ids of shape {tuple(mm.shape)} is not the "
+                "prompt's types followed by zeros for the completion (images in a "
+                "completion, from tools, are not served)"
+            )
         image_token = _compat.read(self, "_image_pad_token_id")
         prompt_mm = mm[:, :P]
-        if image_token is None or not torch.equal(prompt_mm != 0,
-                                                  s["prompt_ids"] == image_token) \
-                or bool((prompt_mm > 1).any()):
-            raise ValueError(f"{WHERE}: mm_token_type_ids does not mark exactly the prompt's "
-                             "image tokens (or marks videos): the processor pads on the other "
-                             "side than TRL's left-padded prompt_ids (set the processor's "
-                             "tokenizer padding_side='left'), or the prompt holds videos")
-        per_row = torch.tensor([sum(patches[a:a + c]) for a, c in
-                                zip(itertools.accumulate([0, *counts[:-1]]), counts,
-                                    strict=True)])
+        if (
+            image_token is None
+            or not torch.equal(prompt_mm != 0, s["prompt_ids"] == image_token)
+            or bool((prompt_mm > 1).any())
+        ):
+            raise ValueError(
+                f"{WHERE}: mm_token_type_ids does not mark exactly the prompt's "
+                "image tokens (or marks videos): the processor pads on the other "
+                "side than TRL's left-padded prompt_ids (set the processor's "
+                "tokenizer padding_side='left'), or the prompt holds videos"
+            )
+        per_row = torch.tensor(
+            [
+                sum(patches[a : a + c])
+                for a, c in zip(itertools.accumulate([0, *counts[:-1]]), counts, strict=True)
+            ]
+        )
         width, most = int(per_row.max()), max(counts)
         pix = pixels.new_zeros((n, width, pixels.size(1)))
         grids = grid.new_zeros((n, most, 3))
         at_pix = at_img = 0
         for i, c in enumerate(counts):
             m = int(per_row[i])
-            pix[i, :m] = pixels[at_pix:at_pix + m]
-            grids[i, :c] = grid[at_img:at_img + c]
+            pix[i, :m] = pixels[at_pix : at_pix + m]
+            grids[i, :c] = grid[at_img : at_img + c]
             at_pix, at_img = at_pix + m, at_img + c
         device = s["prompt_ids"].device
         vision = torch.stack([torch.tensor(counts), per_row], dim=1).to(device)
-        return {**{k: v for k, v in s.items() if k not in VISION_KEYS},
-                "mm_token_type_ids": prompt_mm, "pixel_values": pix, "image_grid_thw": grids,
-                _VISION: vision}
+        return {
+            **{k: v for k, v in s.items() if k not in VISION_KEYS},
+            "mm_token_type_ids": prompt_mm,
+            "pixel_values": pix,
+            "image_grid_thw": grids,
+            _VISION: vision,
+        }
 
     def _odc_exchange(self, rows: _Rows, slice_meta: dict, step: int, plain: int):
         """LB-Mini over every rank's rows of the step; the rows move to the ranks it names
@@ -610,17 +705,23 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         as positions into its rows."""
         world = self.accelerator.num_processes
         layout = self._odc_layout_cache
-        info = {"lengths": rows.lengths(), "shapes": rows.shapes(), "plain": plain,
-                "plain_work": self._odc_plain_work[0],
-                "slices": slice_meta,
-                "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
-                "prompt": rows.tensors["prompt_ids"].size(1),
-                "completion": rows.tensors["completion_ids"].size(1),
-                "patches": (rows.tensors["pixel_values"].shape[1:]
-                            if "pixel_values" in rows.tensors else None),
-                "images": (rows.tensors["image_grid_thw"].size(1)
-                           if "image_grid_thw" in rows.tensors else None),
-                "row_images": rows.images()}
+        info = {
+            "lengths": rows.lengths(),
+            "shapes": rows.shapes(),
+            "plain": plain,
+            "plain_work": self._odc_plain_work[0],
+            "slices": slice_meta,
+            "layout": [(k, kind, str(rows.tensors[k].dtype)) for k, kind in layout],
+            "prompt": rows.tensors["prompt_ids"].size(1),
+            "completion": rows.tensors["completion_ids"].size(1),
+            "patches": (
+                rows.tensors["pixel_values"].shape[1:] if "pixel_values" in rows.tensors else None
+            ),
+            "images": (
+                rows.tensors["image_grid_thw"].size(1) if "image_grid_thw" in rows.tensors else None
+            ),
+            "row_images": rows.images(),
+        }
         infos = [None] * world
         dist.all_gather_object(infos, info)  # the one exchange of lengths
         for r, other in enumerate(infos):
@@ -631,16 +732,23 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     f"{'none' if infos[0]['images'] is None else 'have'}: moving rollouts "
                     "would mix image and text-only rollouts in a microbatch, not served. "
                     "ODCGRPOConfig(rebalance=False) runs each rank's own rollouts (each "
-                    "microbatch then as TRL's own).")
+                    "microbatch then as TRL's own)."
+                )
             if other["layout"] != infos[0]["layout"]:
-                raise ValueError(f"{WHERE}: step {step}: rank {r}'s rollouts carry "
-                                 f"{other['layout']}, rank 0's {infos[0]['layout']}")
+                raise ValueError(
+                    f"{WHERE}: step {step}: rank {r}'s rollouts carry "
+                    f"{other['layout']}, rank 0's {infos[0]['layout']}"
+                )
         lengths = [n for other in infos for n in other["lengths"]]
         shapes = [tuple(x) for other in infos for x in other["shapes"]]
-        images = (None if infos[0]["row_images"] is None
-                  else [im for other in infos for im in other["row_images"]])
-        plan = self._odc_plan(lengths, shapes, world, step,
-                              max(other["plain"] for other in infos), images)
+        images = (
+            None
+            if infos[0]["row_images"] is None
+            else [im for other in infos for im in other["row_images"]]
+        )
+        plan = self._odc_plan(
+            lengths, shapes, world, step, max(other["plain"] for other in infos), images
+        )
         self._odc_plain_work = [other["plain_work"] for other in infos]
         # Every rank's prompts and completions padded to the step's widest, so that rows of
         # every rank share one layout on the wire.
@@ -655,8 +763,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 t = _fit(t, C, "right", self._odc_pad_value(key))
             elif kind == "patches":
                 if len({tuple(other["patches"][1:]) for other in infos}) != 1:
-                    raise ValueError(f"{WHERE}: step {step}: the ranks' pixel_values differ in "
-                                     f"their patch size: {[o['patches'] for o in infos]}")
+                    raise ValueError(
+                        f"{WHERE}: step {step}: the ranks' pixel_values differ in "
+                        f"their patch size: {[o['patches'] for o in infos]}"
+                    )
                 t = _fit_rows(t, max(other["patches"][0] for other in infos))
             elif kind == "images":
                 t = _fit_rows(t, max(other["images"] for other in infos))
@@ -664,8 +774,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         tensors[_META] = rows.meta
         # LB-Mini's rank labels are arbitrary: keep rows in place where the plan allows.
         exchanged = balance.exchange_rows(
-            tensors, plan, [len(other["lengths"]) for other in infos],
-            keep_in_place=self.odc.planner is None, where=f"{WHERE}: step {step}")
+            tensors,
+            plan,
+            [len(other["lengths"]) for other in infos],
+            keep_in_place=self.odc.planner is None,
+            where=f"{WHERE}: step {step}",
+        )
         self._odc_note_work(exchanged.plan, shapes)
         self._odc_moved = exchanged.moved
         new = _Rows({key: exchanged.rows[key] for key, _ in layout}, exchanged.rows[_META])
@@ -706,8 +820,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             e[i] = coef / (world * g * max(N, 1))
             narrow[i] = bool(is_narrow)
         device = rows.meta.device
-        return {"a": a.to(device), "e": e.to(device), "p": p.to(device),
-                "narrow": narrow.to(device)}
+        return {
+            "a": a.to(device),
+            "e": e.to(device),
+            "p": p.to(device),
+            "narrow": narrow.to(device),
+        }
 
     def _odc_entropy_coef(self) -> float:
         """The entropy bonus's coefficient for this step's microbatches (TRL fixes it at the end
@@ -719,8 +837,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             return self.entropy_coef if last <= self.args.entropy_target else 0.0
         return self.entropy_coef
 
-    def _odc_microbatch(self, rows: _Rows, weights: dict, micro: list[int],
-                        shapes: torch.Tensor) -> _Microbatch:
+    def _odc_microbatch(
+        self, rows: _Rows, weights: dict, micro: list[int], shapes: torch.Tensor
+    ) -> _Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
         completion (as ``_odc_widths`` gives them; ``shapes``: every row's prompt and
         completion length, on the host), with their weights."""
@@ -743,16 +862,16 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             pixels, grids = batch.pop("pixel_values"), batch.pop("image_grid_thw")
             mm = batch.pop("mm_token_type_ids")
             if any(c for c, _ in vision):
-                batch["pixel_values"] = torch.cat([pixels[i, :m]
-                                                   for i, (_, m) in enumerate(vision)])
-                batch["image_grid_thw"] = torch.cat([grids[i, :c]
-                                                     for i, (c, _) in enumerate(vision)])
+                batch["pixel_values"] = torch.cat(
+                    [pixels[i, :m] for i, (_, m) in enumerate(vision)]
+                )
+                batch["image_grid_thw"] = torch.cat(
+                    [grids[i, :c] for i, (c, _) in enumerate(vision)]
+                )
                 batch["num_images"] = [c for c, _ in vision]
-                batch["mm_token_type_ids"] = torch.cat(
-                    [mm, mm.new_zeros((mm.size(0), cw))], dim=1)
+                batch["mm_token_type_ids"] = torch.cat([mm, mm.new_zeros((mm.size(0), cw))], dim=1)
             # else: no image, no vision forward (as TRL's text-only batch: no vision field)
-        return _Microbatch(batch, {key: value[idx] for key, value in weights.items()},
-                           meta[:, 1])
+        return _Microbatch(batch, {key: value[idx] for key, value in weights.items()}, meta[:, 1])
 
     # -- the loss ------------------------------------------------------------------------------
 
@@ -764,38 +883,50 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        mask = (completion_mask if "tool_mask" not in inputs
-                else completion_mask * inputs["tool_mask"])
+        mask = (
+            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        )
         vision = {key: inputs[key] for key in VISION_KEYS if key in inputs}
         if vision:
             # The LM head's lone FSDP unit (a vision-language model: accelerate finds no final
             # norm beside it), which TRL's fused head reads without calling it.
             self._odc_unshard_output_head()
         per_token_logps, entropies, _ = _compat.call(
-            self, "_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
-            logits_to_keep, compute_entropy=True, **vision)
+            self,
+            "_get_per_token_logps_and_entropies",
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            compute_entropy=True,
+            **vision,
+        )
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
         old_per_token_logps = inputs.get("old_per_token_logps")
-        old_per_token_logps = (per_token_logps.detach() if old_per_token_logps is None
-                               else old_per_token_logps)
+        old_per_token_logps = (
+            per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+        )
         if self.off_policy_mask_threshold is not None:
             sampling = inputs.get("sampling_per_token_logps", old_per_token_logps)
             off_policy_mask = self.get_off_policy_mask(
-                advantages=advantages, per_token_logps=per_token_logps,
-                sampling_per_token_logps=sampling, mask=mask,
-                off_policy_threshold=self.off_policy_mask_threshold)
+                advantages=advantages,
+                per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
         log_ratio = per_token_logps - old_per_token_logps
         if self.importance_sampling_level == "token":
             log_importance_weights = log_ratio
         elif self.importance_sampling_level == "sequence":
-            log_importance_weights = ((log_ratio * mask).sum(-1)
-                                      / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+            log_importance_weights = (
+                (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+            ).unsqueeze(-1)
         else:
-            raise ValueError(f"Unknown importance sampling level: "
-                             f"{self.importance_sampling_level}")
+            raise ValueError(f"Unknown importance sampling level: {self.importance_sampling_level}")
         coef_1 = torch.exp(log_importance_weights)
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
@@ -813,16 +944,23 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 coef_1 = torch.clamp(coef_1, max=self.args.delta)
             per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
         elif lt == "sapo":
-            temperatures = torch.where(advantages > 0, self.args.sapo_temperature_pos,
-                                       self.args.sapo_temperature_neg)
-            per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-                               * advantages)
+            temperatures = torch.where(
+                advantages > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg
+            )
+            per_token_loss = -(
+                torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
+            )
         elif lt == "vespo":
             phi_seq = self.get_gamma_weights(
-                advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
+                advantages=advantages,
+                log_ratio_per_token=log_ratio,
+                mask=mask,
                 importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
-                k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
-                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )
             per_token_loss = -phi_seq * advantages * per_token_logps
         else:
             raise ValueError(f"Unknown loss type: {lt}")
@@ -883,8 +1021,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 high = seq_mean(is_high.float(), seq)
                 inf = torch.full_like(low, math.inf)
                 acc["mins"][:, 0].scatter_reduce_(0, k, torch.where(low.isnan(), inf, low), "amin")
-                acc["mins"][:, 1].scatter_reduce_(0, k, torch.where(high.isnan(), inf, -high),
-                                                  "amin")
+                acc["mins"][:, 1].scatter_reduce_(
+                    0, k, torch.where(high.isnan(), inf, -high), "amin"
+                )
             elif lt == "cispo":
                 num, den = per_row(((coef_1 > self.epsilon_high) & (advantages > 0)).float(), seq)
                 add("cispo", num)
@@ -901,8 +1040,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     @staticmethod
     def _odc_new_accumulators(g: int, device) -> dict:
-        return {"sums": torch.zeros(g, len(SUMS), dtype=torch.float64, device=device),
-                "mins": torch.full((g, 2), math.inf, dtype=torch.float64, device=device)}
+        return {
+            "sums": torch.zeros(g, len(SUMS), dtype=torch.float64, device=device),
+            "mins": torch.full((g, 2), math.inf, dtype=torch.float64, device=device),
+        }
 
     def _odc_record_metrics(self, g: int, my_micro: int, my_rows: int, counts, rollouts):
         """After the barrier: one all-reduce of the per-slice sums (and, without rebalancing,
@@ -918,9 +1059,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             values += mine
         reduced = self._odc_all_reduce(values)
         if counts is None:
-            counts = [int(c) for c in reduced[g * len(SUMS):g * len(SUMS) + world]]
-            rollouts = [int(c) for c in reduced[g * len(SUMS) + world:]]
-        sums = torch.tensor(reduced[:g * len(SUMS)], dtype=torch.float64).view(g, len(SUMS))
+            counts = [int(c) for c in reduced[g * len(SUMS) : g * len(SUMS) + world]]
+            rollouts = [int(c) for c in reduced[g * len(SUMS) + world :]]
+        sums = torch.tensor(reduced[: g * len(SUMS)], dtype=torch.float64).view(g, len(SUMS))
         lt, metrics = self.loss_type, _compat.read(self, "_metrics")["train"]
         if lt in CLIPPED_LOSSES:
             t = acc["mins"].cpu().flatten()
@@ -941,11 +1082,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             if lt in CLIPPED_LOSSES:
                 for name in ("low", "high", "region"):
                     metrics[f"clip_ratio/{name}_mean"].append(
-                        ratio(col[name][s], col["clip_count"][s]))
+                        ratio(col[name][s], col["clip_count"][s])
+                    )
                 low, neg_high = extremes[s].tolist()
                 metrics["clip_ratio/low_min"].append(low if low != math.inf else math.nan)
-                metrics["clip_ratio/high_max"].append(-neg_high if neg_high != math.inf
-                                                      else math.nan)
+                metrics["clip_ratio/high_max"].append(
+                    -neg_high if neg_high != math.inf else math.nan
+                )
             elif lt == "cispo":
                 metrics["cispo_clip_ratio"].append(ratio(col["cispo"][s], col["clip_count"][s]))
             elif lt == "vespo":
@@ -956,11 +1099,13 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 world_entropy = sum(col["entropy"]) / max(sum(col["token_count"]), 1.0)
                 a = self.args
                 if world_entropy <= a.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta,
-                                            a.entropy_coef_max)
+                    self.entropy_coef = min(
+                        self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max
+                    )
                 else:
-                    self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta,
-                                            a.entropy_coef_min)
+                    self.entropy_coef = max(
+                        self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min
+                    )
                 _compat.write(self, "_last_world_entropy", world_entropy)
             metrics["entropy_coef"].append(self.entropy_coef)
         return counts, rollouts
@@ -1007,9 +1152,11 @@ def _refuse_mixed_images(batch) -> None:
             return True
         prompt = row.get("prompt")
         return isinstance(prompt, list) and any(
-            isinstance(m, dict) and isinstance(m.get("content"), list)
+            isinstance(m, dict)
+            and isinstance(m.get("content"), list)
             and any(isinstance(c, dict) and c.get("type") == "image" for c in m["content"])
-            for m in prompt)
+            for m in prompt
+        )
 
     flags = [has_images(row) for row in batch]
     if any(flags) and not all(flags):
@@ -1019,7 +1166,8 @@ def _refuse_mixed_images(batch) -> None:
             "images for the text-only prompts to the processor, which raises TypeError (the "
             "unmodified trainer cannot run this batch either), and the adapter does not "
             "redefine TRL's processing: not served. Give every prompt of a vision-language "
-            "run an image, or train on the image and the text-only prompts separately.")
+            "run an image, or train on the image and the text-only prompts separately."
+        )
 
 
 def _fit_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -1039,6 +1187,6 @@ def _fit(t: torch.Tensor, width: int, side: str, value) -> torch.Tensor:
     if w == width:
         return t
     if w > width:
-        return t[:, w - width:] if side == "left" else t[:, :width]
+        return t[:, w - width :] if side == "left" else t[:, :width]
     pad = t.new_full((t.size(0), width - w), value)
     return torch.cat([pad, t] if side == "left" else [t, pad], dim=1)

@@ -28,8 +28,10 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
         if self.compute_loss_func is not None or self.label_smoother is not None:
             raise ValueError(f"{where}: compute_loss_func and label smoothing are not supported")
         if self.aux_loss_enabled:
-            raise ValueError(f"{where}: the MoE auxiliary loss (router_aux_loss_coef) is a "
-                             "per-microbatch mean; not supported")
+            raise ValueError(
+                f"{where}: the MoE auxiliary loss (router_aux_loss_coef) is a "
+                "per-microbatch mean; not supported"
+            )
         if self.args.loss_type not in ("nll", "dft"):
             raise ValueError(f"{where}: loss_type={self.args.loss_type!r} is not supported")
 
@@ -54,8 +56,9 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
 
         lengths, images = [], []
         for i in range(len(dataset)):
-            n, im = _vision.row_sizes(self.data_collator([dataset[i]]),
-                                      f"{self._odc_where}: training row {i}")
+            n, im = _vision.row_sizes(
+                self.data_collator([dataset[i]]), f"{self._odc_where}: training row {i}"
+            )
             lengths.append((n,))
             images.append(im)
         self._odc_vision_rows = images
@@ -83,8 +86,10 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
     def _odc_checkpoint_state(self) -> dict:
         # TRL's num_tokens is a running total kept on the trainer (TRL itself restarts it at
         # zero on resume); the per-step averages are logged every logging_steps.
-        return {**super()._odc_checkpoint_state(),
-                "total_train_tokens": _compat.read(self, "_total_train_tokens")}
+        return {
+            **super()._odc_checkpoint_state(),
+            "total_train_tokens": _compat.read(self, "_total_train_tokens"),
+        }
 
     def _odc_restore_checkpoint_state(self, state: dict) -> None:
         super()._odc_restore_checkpoint_state(state)
@@ -92,8 +97,9 @@ class ODCSFTTrainerMixin(ODCTrainerMixin):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (self._odc_in_step and self.model.training):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if return_outputs:
             raise NotImplementedError("torch_odc.integrations.hf: return_outputs in training")
         self._odc_unshard_output_head()  # the fused LM head reads its weight directly

@@ -36,22 +36,24 @@ def _host_memory() -> tuple[int, int]:
 # What verl calls on its "device module" (torch.cuda on GPUs) that torch.cpu does not have:
 # memory statistics for its logs (allocator figures reported as 0, host memory as free/total)
 # and cache control.
-_DEVICE_MODULE = types.SimpleNamespace(**{
-    **{name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")},
-    "max_memory_allocated": _zero,
-    "max_memory_reserved": _zero,
-    "memory_allocated": _zero,
-    "memory_reserved": _zero,
-    "mem_get_info": _host_memory,
-    "reset_peak_memory_stats": _nothing,
-    "empty_cache": _nothing,
-    "manual_seed": torch.manual_seed,
-    "manual_seed_all": torch.manual_seed,
-    "is_available": lambda: True,
-    "device_count": lambda: 1,
-    "current_device": lambda: "cpu",
-    "get_device_name": lambda *_: "CPU",
-})
+_DEVICE_MODULE = types.SimpleNamespace(
+    **{
+        **{name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")},
+        "max_memory_allocated": _zero,
+        "max_memory_reserved": _zero,
+        "memory_allocated": _zero,
+        "memory_reserved": _zero,
+        "mem_get_info": _host_memory,
+        "reset_peak_memory_stats": _nothing,
+        "empty_cache": _nothing,
+        "manual_seed": torch.manual_seed,
+        "manual_seed_all": torch.manual_seed,
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: "cpu",
+        "get_device_name": lambda *_: "CPU",
+    }
+)
 
 
 @PlatformRegistry.register(platform="cpu")

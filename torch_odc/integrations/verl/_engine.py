@@ -52,10 +52,12 @@ AggregationType = _compat.load("verl.utils.metric", "AggregationType")
 Metric = _compat.load("verl.utils.metric", "Metric")
 FSDPEngineConfig = _compat.load("verl.workers.config", "FSDPEngineConfig")
 EngineRegistry = _compat.load("verl.workers.engine.base", "EngineRegistry")
-FSDPEngineWithLMHead = _compat.load("verl.workers.engine.fsdp.transformer_impl",
-                                    "FSDPEngineWithLMHead")
-FSDPEngineWithValueHead = _compat.load("verl.workers.engine.fsdp.transformer_impl",
-                                       "FSDPEngineWithValueHead")
+FSDPEngineWithLMHead = _compat.load(
+    "verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead"
+)
+FSDPEngineWithValueHead = _compat.load(
+    "verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithValueHead"
+)
 postprocess_batch_func = _compat.load("verl.workers.engine.utils", "postprocess_batch_func")
 prepare_micro_batches = _compat.load("verl.workers.engine.utils", "prepare_micro_batches")
 
@@ -115,11 +117,13 @@ def _option(engine_config, name: str):
 def _refusal(engine_config, model_config) -> str | None:
     """Why verl's configuration cannot run under ODC, or None."""
     if engine_config.offload_policy:
-        return ("offload_policy=True (FSDP2 CPUOffloadPolicy) keeps the shards in host memory "
-                "and copies them to the GPU at every all-gather; ODC serves peers' reads from "
-                "shards in device memory, so it would hold a device copy of every shard for the "
-                "whole minibatch: the memory the policy saves. Use param_offload=True (the "
-                "shards leave the GPU between phases, ODC's memory too) or offload_policy=False")
+        return (
+            "offload_policy=True (FSDP2 CPUOffloadPolicy) keeps the shards in host memory "
+            "and copies them to the GPU at every all-gather; ODC serves peers' reads from "
+            "shards in device memory, so it would hold a device copy of every shard for the "
+            "whole minibatch: the memory the policy saves. Use param_offload=True (the "
+            "shards leave the GPU between phases, ODC's memory too) or offload_policy=False"
+        )
     if getattr(model_config, "enable_activation_offload", False):
         return "enable_activation_offload: not tried with ODC"
     return None
@@ -214,14 +218,19 @@ class ODCEngineMixin:
         # not serve, so that all of them refuse it together.
         refused = _vision.check(data, self.model_config.hf_config.model_type)
         num_tokens = data["loss_mask"].sum()
-        totals = torch.stack([num_tokens, torch.tensor(len(refused), dtype=num_tokens.dtype,
-                                                        device=num_tokens.device)])
+        totals = torch.stack(
+            [
+                num_tokens,
+                torch.tensor(len(refused), dtype=num_tokens.dtype, device=num_tokens.device),
+            ]
+        )
         totals = totals.to(torch.device(self.device_mesh.device_type))
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
         if totals[1].item():
             self._odc_refuse(refused, forward_only)
-        tu.assign_non_tensor(data, batch_num_tokens=totals[0].item(),
-                             dp_size=self.get_data_parallel_size())
+        tu.assign_non_tensor(
+            data, batch_num_tokens=totals[0].item(), dp_size=self.get_data_parallel_size()
+        )
         planned, started = None, time.perf_counter()
         if not forward_only and self.odc_balance == "mini":
             data, planned = self._odc_lb_mini(data, keep_outputs)
@@ -233,19 +242,23 @@ class ODCEngineMixin:
         else:
             # verl's own packing of this rank's rows, without the MAX over ranks.
             micro_batches, indices = prepare_micro_batches(
-                data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=False)
+                data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=False
+            )
         if self.ulysses_sequence_parallel_size > 1:
             self._odc_check_sp_plan(data, indices, len(micro_batches), forward_only)
         outputs = []
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            sync = (nullcontext() if forward_only
-                    else _compat.call(self, "_gradient_sync_context",
-                                      is_last_micro_batch=last))
+            sync = (
+                nullcontext()
+                if forward_only
+                else _compat.call(self, "_gradient_sync_context", is_last_micro_batch=last)
+            )
             grad = torch.no_grad() if forward_only else nullcontext()
             with grad, sync, torch.profiler.record_function(f"micro_batch{index}"):
-                loss, meta = self.forward_step(micro_batch, loss_function=loss_function,
-                                               forward_only=forward_only)
+                loss, meta = self.forward_step(
+                    micro_batch, loss_function=loss_function, forward_only=forward_only
+                )
                 if not forward_only:
                     scaler = getattr(self, "scaler", None)
                     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -255,18 +268,28 @@ class ODCEngineMixin:
         if forward_only:
             self.odc_forward_passes += 1
         else:
-            self.odc_steps.append({"microbatches": len(micro_batches), "sequences": len(data),
-                                   "tokens": sum(_row_lengths(data)),
-                                   "received": self._odc_received if planned is not None else 0,
-                                   "moved": self._odc_moved if planned is not None else 0,
-                                   "balance_seconds": balanced,
-                                   **({} if images is None else {
-                                       "patches": sum(map(sum, images)),
-                                       # Microbatches that run the vision tower (with images).
-                                       "vision_microbatches": sum(
-                                           any(images[i] for i in mb) for mb in indices),
-                                       "cost": self._odc_cost if planned is not None else None,
-                                   })})
+            self.odc_steps.append(
+                {
+                    "microbatches": len(micro_batches),
+                    "sequences": len(data),
+                    "tokens": sum(_row_lengths(data)),
+                    "received": self._odc_received if planned is not None else 0,
+                    "moved": self._odc_moved if planned is not None else 0,
+                    "balance_seconds": balanced,
+                    **(
+                        {}
+                        if images is None
+                        else {
+                            "patches": sum(map(sum, images)),
+                            # Microbatches that run the vision tower (with images).
+                            "vision_microbatches": sum(
+                                any(images[i] for i in mb) for mb in indices
+                            ),
+                            "cost": self._odc_cost if planned is not None else None,
+                        }
+                    ),
+                }
+            )
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def optimizer_step(self):
@@ -299,12 +322,17 @@ class ODCEngineMixin:
         for rank, problems in zip(peers, everyone):
             for problem in problems:
                 seen.setdefault(problem, []).append(rank)
-        what = (f"forward-only pass {self.odc_forward_passes + 1}" if forward_only
-                else f"training step {len(self.odc_steps) + 1}")
-        detail = "; ".join(f"{problem} (rows of rank(s) {ranks})" for problem, ranks in
-                           seen.items())
+        what = (
+            f"forward-only pass {self.odc_forward_passes + 1}"
+            if forward_only
+            else f"training step {len(self.odc_steps) + 1}"
+        )
+        detail = "; ".join(
+            f"{problem} (rows of rank(s) {ranks})" for problem, ranks in seen.items()
+        )
         raise NotImplementedError(
-            f"{_WHERE}: rank {dist.get_rank()}, {what} of this engine: not served: {detail}")
+            f"{_WHERE}: rank {dist.get_rank()}, {what} of this engine: not served: {detail}"
+        )
 
     def _odc_check_sp_plan(self, data, indices, count: int, forward_only: bool) -> None:
         """The ranks of one Ulysses SP group run each microbatch together (its all-to-alls are
@@ -316,22 +344,31 @@ class ODCEngineMixin:
         size = dist.get_world_size(group)
         plan = [list(map(int, mb)) for mb in indices] if indices is not None else None
         checksum = zlib.crc32(repr((plan, _row_lengths(data))).encode())
-        mine = torch.tensor([count, len(data), checksum], dtype=torch.int64,
-                            device=torch.device(self.device_mesh.device_type))
+        mine = torch.tensor(
+            [count, len(data), checksum],
+            dtype=torch.int64,
+            device=torch.device(self.device_mesh.device_type),
+        )
         everyone = torch.empty(size * 3, dtype=torch.int64, device=mine.device)
         dist.all_gather_into_tensor(everyone, mine, group=group)
         seen = everyone.view(size, 3).tolist()
         if any(row != seen[0] for row in seen):
             peers = dist.get_process_group_ranks(group)
-            what = (f"forward-only pass {self.odc_forward_passes + 1}" if forward_only
-                    else f"training step {len(self.odc_steps) + 1}")
-            detail = ", ".join(f"rank {r}: {c} microbatch(es) of {n} row(s), plan {h:08x}"
-                               for r, (c, n, h) in zip(peers, seen))
+            what = (
+                f"forward-only pass {self.odc_forward_passes + 1}"
+                if forward_only
+                else f"training step {len(self.odc_steps) + 1}"
+            )
+            detail = ", ".join(
+                f"rank {r}: {c} microbatch(es) of {n} row(s), plan {h:08x}"
+                for r, (c, n, h) in zip(peers, seen)
+            )
             raise RuntimeError(
                 f"{_WHERE}: rank {dist.get_rank()}, {what} of this engine: the ranks of its "
                 f"Ulysses SP group {peers} planned different microbatches ({detail}). The "
                 "ranks of one SP group must hold the same rows (verl's dispatch gives them "
-                "the same data) and run the same microbatches")
+                "the same data) and run the same microbatches"
+            )
 
     # -- LB-Mini across the data-parallel ranks ------------------------------------------------
 
@@ -342,12 +379,14 @@ class ODCEngineMixin:
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             raise NotImplementedError(
                 f"{where}: needs use_dynamic_bsz=True (LB-Mini packs microbatches up to "
-                "max_token_len_per_gpu tokens)")
+                "max_token_len_per_gpu tokens)"
+            )
         if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
             raise NotImplementedError(f"{where}: force_group_size > 1 is not supported")
         if keep_outputs:
             raise NotImplementedError(
-                f"{where}: return_model_output=True would return other ranks' sequences")
+                f"{where}: return_model_output=True would return other ranks' sequences"
+            )
         group = self.get_data_parallel_group()
         world = dist.get_world_size(group)
         # The cap of a microbatch of one DP rank (an SP group shares its tokens), as verl's
@@ -358,13 +397,17 @@ class ODCEngineMixin:
         everyone = [None] * world
         dist.all_gather_object(everyone, local, group=group)
         lengths = [n for part, _ in everyone for n in part]
-        images = ([im for part, ims in everyone for im in (ims or [()] * len(part))]
-                  if any(ims for _, ims in everyone) else None)
+        images = (
+            [im for part, ims in everyone for im in (ims or [()] * len(part))]
+            if any(ims for _, ims in everyone)
+            else None
+        )
         if max(lengths) > cap:
             raise ValueError(
                 f"{where}: a sequence of {max(lengths)} tokens is longer than the cap of "
                 f"{cap} tokens (max_token_len_per_gpu x ulysses_sequence_parallel_size; verl "
-                "refuses it too)")
+                "refuses it too)"
+            )
         cost = self._odc_cost_fn()
         # A row's cost: its tokens' under the cost model, plus each of its images' patches as a
         # sequence of that many (the vision tower attends within an image). The token cap is
@@ -380,9 +423,15 @@ class ODCEngineMixin:
         # arbitrary: each rank takes the share it holds most rows of (verl's driver already
         # balanced the batch, so most rows stay where they are).
         exchanged = balance.exchange_rows(
-            data.select(*_row_keys(data)), plan, [len(part) for part, _ in everyone],
-            group=group, keep_in_place=True, take=tu.index_select_tensor_dict,
-            join=tu.concat_tensordict, where=where)
+            data.select(*_row_keys(data)),
+            plan,
+            [len(part) for part, _ in everyone],
+            group=group,
+            keep_in_place=True,
+            take=tu.index_select_tensor_dict,
+            join=tu.concat_tensordict,
+            where=where,
+        )
         self._odc_received, self._odc_moved = exchanged.received, exchanged.moved
         rank = dist.get_rank(group)
         share = [i for mb in exchanged.plan[rank] for i in mb]
@@ -392,8 +441,9 @@ class ODCEngineMixin:
         # with the wrong ragged dimension.
         tu.maybe_fix_3d_position_ids(mine)
         if images is not None and (_vision.row_images(mine) or []) != [images[i] for i in share]:
-            raise RuntimeError(f"{where}: the rows that arrived do not carry the images "
-                               "planned with them")
+            raise RuntimeError(
+                f"{where}: the rows that arrived do not carry the images planned with them"
+            )
         _copy_non_tensor(data, mine)
         return mine, exchanged.microbatches
 
@@ -401,15 +451,17 @@ class ODCEngineMixin:
         if self.odc_cost == "tokens":
             return "tokens"
         if self.odc_cost == "verl":
-            calculate_workload = _compat.load("verl.utils.seqlen_balancing",
-                                              "calculate_workload")
+            calculate_workload = _compat.load("verl.utils.seqlen_balancing", "calculate_workload")
             return lambda n: float(calculate_workload(torch.tensor(n, dtype=torch.int64)))
         config = self.model_config.hf_config
         # FSDP2's parameters are DTensors: numel() is the whole parameter's.
         num_params = sum(p.numel() for p in self.module.parameters())
         return lambda n: balance.flops_cost(
-            n, num_params=num_params, num_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size)
+            n,
+            num_params=num_params,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+        )
 
 
 def _odc_mesh(mesh):
@@ -422,11 +474,17 @@ def _odc_mesh(mesh):
     if mesh.ndim == 1:
         group = dist.new_group(backend=torch_odc.BACKEND_NAME)
         return DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=names)
-    odc = init_device_mesh(mesh.device_type, tuple(mesh.shape), mesh_dim_names=names,
-                           backend_override={name: torch_odc.BACKEND_NAME for name in names})
+    odc = init_device_mesh(
+        mesh.device_type,
+        tuple(mesh.shape),
+        mesh_dim_names=names,
+        backend_override={name: torch_odc.BACKEND_NAME for name in names},
+    )
     if not torch.equal(odc.mesh.cpu(), mesh.mesh.cpu()):
-        raise RuntimeError(f"{_WHERE}: the odc mesh {odc.mesh.tolist()} does not place the "
-                           f"ranks as verl's FSDP mesh {mesh.mesh.tolist()}")
+        raise RuntimeError(
+            f"{_WHERE}: the odc mesh {odc.mesh.tolist()} does not place the "
+            f"ranks as verl's FSDP mesh {mesh.mesh.tolist()}"
+        )
     return odc
 
 
@@ -441,8 +499,11 @@ def _row_lengths(data) -> list[int]:
 
 
 def _row_keys(data) -> list[str]:
-    return [k for k, v in data.items() if isinstance(v, torch.Tensor)
-            or (getattr(v, "shape", None) and v.shape[0] == len(data))]
+    return [
+        k
+        for k, v in data.items()
+        if isinstance(v, torch.Tensor) or (getattr(v, "shape", None) and v.shape[0] == len(data))
+    ]
 
 
 def _copy_non_tensor(source, target) -> None:
@@ -462,8 +523,11 @@ def _reduce_metrics(metrics: dict, group) -> None:
     per-index sums gives with equal counts), MEAN -> the mean over all microbatches, MIN/MAX ->
     over all. Plain per-microbatch lists are left as they are (verl flattens them over ranks).
     One all_gather_object, after the optimizer step."""
-    mine = {k: (v.aggregation.value, [float(x) for x in v.values])
-            for k, v in metrics.items() if isinstance(v, Metric)}
+    mine = {
+        k: (v.aggregation.value, [float(x) for x in v.values])
+        for k, v in metrics.items()
+        if isinstance(v, Metric)
+    }
     world = dist.get_world_size(group)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
@@ -471,8 +535,10 @@ def _reduce_metrics(metrics: dict, group) -> None:
     for key in keys:
         kinds = {part[key][0] for part in everyone if key in part}
         if len(kinds) != 1:
-            raise RuntimeError(f"torch_odc verl engine: metric '{key}' is aggregated as "
-                               f"{sorted(kinds)} on different ranks")
+            raise RuntimeError(
+                f"torch_odc verl engine: metric '{key}' is aggregated as "
+                f"{sorted(kinds)} on different ranks"
+            )
         kind = AggregationType(kinds.pop())
         values = [x for part in everyone if key in part for x in part[key][1]]
         if kind is AggregationType.SUM:

@@ -46,15 +46,30 @@ import torch
 
 from . import _compat
 
-__all__ = ["FIELDS", "SERVED_MODELS", "check", "row_images", "serve_without_dummy", "undo",
-           "zero_missing_grads"]
+__all__ = [
+    "FIELDS",
+    "SERVED_MODELS",
+    "check",
+    "row_images",
+    "serve_without_dummy",
+    "undo",
+    "zero_missing_grads",
+]
 
 KEY = "multi_modal_inputs"
 SERVED_MODELS = ("qwen2_vl", "qwen2_5_vl")
 # Per row, concatenated over a microbatch's rows by verl: (pixels, their grid) per modality.
 _MODALITIES = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
-FIELDS = frozenset({"pixel_values", "image_grid_thw", "images_seqlens", "pixel_values_videos",
-                    "video_grid_thw", "second_per_grid_ts"})
+FIELDS = frozenset(
+    {
+        "pixel_values",
+        "image_grid_thw",
+        "images_seqlens",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "second_per_grid_ts",
+    }
+)
 
 
 def _dicts(data) -> list[dict] | None:
@@ -98,34 +113,46 @@ def check(data, model_type: str) -> list[str]:
         problems["model"] = (
             f"'{KEY}' rows (fields {fields}) for a model of type {model_type!r}: served for "
             f"{'/'.join(SERVED_MODELS)} (tested), whose verl forward the engine has read: that "
-            "family's text-only path and per-row fields have not been checked under ODC")
+            "family's text-only path and per-row fields have not been checked under ODC"
+        )
         return list(problems.values())
     varlen = _compat.load("verl.utils.model", "_VARLEN_MULTI_MODAL_KEYS")
     for row in rows:
         for key in sorted(set(row) - FIELDS):
             if key in varlen:
-                why = ("verl pads it to the longest row of each microbatch "
-                       "(extract_multi_modal_inputs), so what the model sees depends on which "
-                       "rows share a microbatch, and ODC's microbatches are not verl's")
+                why = (
+                    "verl pads it to the longest row of each microbatch "
+                    "(extract_multi_modal_inputs), so what the model sees depends on which "
+                    "rows share a microbatch, and ODC's microbatches are not verl's"
+                )
             else:
-                why = ("not a field of the Qwen2-VL family's rows: how it splits per row and "
-                       "what it costs are not worked out")
+                why = (
+                    "not a field of the Qwen2-VL family's rows: how it splits per row and "
+                    "what it costs are not worked out"
+                )
             problems.setdefault(key, f"'{KEY}' field {key!r}: {why}")
         for pixels, grid in _MODALITIES:
             if row.get(pixels) is None and row.get(grid) is None:
                 continue
             if row.get(pixels) is None or row.get(grid) is None:
-                problems.setdefault(pixels, f"'{KEY}' field {pixels!r} without {grid!r} (or "
-                                            "the other way round): not the Qwen2-VL layout")
+                problems.setdefault(
+                    pixels,
+                    f"'{KEY}' field {pixels!r} without {grid!r} (or "
+                    "the other way round): not the Qwen2-VL layout",
+                )
                 continue
             g = torch.as_tensor(row[grid])
             n = int(row[pixels].shape[0])
             if g.dim() != 2 or g.shape[-1] != 3 or n != int(g.prod(-1).sum()):
-                problems.setdefault(pixels, (
-                    f"'{KEY}' field {pixels!r} holds {n} rows where {grid!r} "
-                    f"{tuple(g.shape)} names {int(g.prod(-1).sum()) if g.dim() == 2 else '?'} "
-                    "patches: not the Qwen2-VL layout (one row per patch, split per image by "
-                    "its grid)"))
+                problems.setdefault(
+                    pixels,
+                    (
+                        f"'{KEY}' field {pixels!r} holds {n} rows where {grid!r} "
+                        f"{tuple(g.shape)} names {int(g.prod(-1).sum()) if g.dim() == 2 else '?'} "
+                        "patches: not the Qwen2-VL layout (one row per patch, split per image by "
+                        "its grid)"
+                    ),
+                )
     return list(problems.values())
 
 
@@ -139,22 +166,38 @@ def serve_without_dummy(module, counts: dict) -> list[torch.nn.Module]:
     """
     verl_forward = _compat.load("verl.models.transformers.qwen2_vl", "qwen2_vl_base_forward")
 
-    def forward(self, input_ids, attention_mask=None, labels=None, pixel_values=None,
-                pixel_values_videos=None, image_grid_thw=None, video_grid_thw=None, **kwargs):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        labels=None,
+        pixel_values=None,
+        pixel_values_videos=None,
+        image_grid_thw=None,
+        video_grid_thw=None,
+        **kwargs,
+    ):
         if pixel_values is not None or pixel_values_videos is not None:
             counts["with_vision"] += 1
-            return verl_forward(self, input_ids, attention_mask=attention_mask, labels=labels,
-                                pixel_values=pixel_values,
-                                pixel_values_videos=pixel_values_videos,
-                                image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                                **kwargs)
+            return verl_forward(
+                self,
+                input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                **kwargs,
+            )
         # verl's _get_input_embeds without images or videos, less its dummy vision forward.
         counts["text_only"] += 1
         inputs_embeds = self.get_input_embeddings()(input_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(inputs_embeds.device)
-        return self.language_model(input_ids=None, inputs_embeds=inputs_embeds,
-                                   attention_mask=attention_mask, **kwargs)
+        return self.language_model(
+            input_ids=None, inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs
+        )
 
     served = []
     for inner in module.modules():

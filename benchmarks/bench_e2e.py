@@ -9,7 +9,7 @@ downloads) trained with bf16 compute, fp32 master weights and fp32 gradient redu
 checkpointing, per-layer fully_shard plus root. One sequence per microbatch (no padding), or with
 --pack-tokens N sequences packed back to back up to N tokens with document-causal varlen flash
 attention. Configurations, on the same seeded samples and one shared cost model (run each in its
-own process and --merge the results: benchmarks/device_run.sh e2e):
+own process and --merge the results: benchmarks/device/device_run.sh e2e):
 
 * ``nccl-micro``: plain FSDP2 on an NCCL group, LB-Micro plan (same microbatch count per rank);
 * ``odc-mini``:   FSDP2 + torch_odc.attach on the "odc" group, LB-Mini plan;

@@ -65,7 +65,7 @@ rollouts between ranks. Plain GRPO decodes with ``synced_gpus`` (FSDP2's per-lay
 are collectives: ranks must decode the same number of steps).
 
 On the GPU machines (no package registry) the pinned transformers, TRL, peft and datasets are
-carried as wheels (benchmarks/device_trl.sh installs them); the script records every version.
+carried as wheels (benchmarks/device/device_trl.sh installs them); the script records every version.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 # Spawned ranks import test helpers by module name; make tests/ importable for them too.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# ---- running the GPU suite on several pytest-xdist workers (benchmarks/device_run.sh tests) ----
+# ---- running the GPU suite on several pytest-xdist workers (benchmarks/device/device_run.sh tests) ----
 # Every test's ranks rendezvous over a FileStore in a fresh temporary directory and ODC's
 # regions are named per process, so tests of different workers can share the GPUs. Three rules:
 # - `serial` tests assert durations or that /dev/shm holds no new region: device_run.sh runs
@@ -43,7 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "serial: asserts a duration or the state of /dev/shm; not run beside other tests "
-        "(benchmarks/device_run.sh runs these alone)",
+        "(benchmarks/device/device_run.sh runs these alone)",
     )
     config.addinivalue_line(
         "markers",

@@ -277,7 +277,7 @@ def test_pool_makes_one_row_of_separate_records(tmp_path):
     notes = {
         "--note": "two calls, one round each",
         "--commit-note": "tree abcdef0, day 1",
-        "--device-command": "OUT=$OUT bash benchmarks/device_trainers.sh grpo ''",
+        "--device-command": "OUT=$OUT bash benchmarks/device/device_trainers.sh grpo ''",
     }
     proc = pool(
         tmp_path / "a.json", tmp_path / "b.json", notes=[x for kv in notes.items() for x in kv]

@@ -1,4 +1,4 @@
-"""benchmarks/grpo_plan_floor.py (planner arithmetic, no GPU): the floor-priced packing agrees
+"""benchmarks/probes/grpo_plan_floor.py (planner arithmetic, no GPU): the floor-priced packing agrees
 with the adapter's where the floor dominates and trades microbatches for padding where it does
 not, and the search never reports a plan costlier than the adapter's."""
 
@@ -9,7 +9,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
 
 import grpo_plan_floor as gpf
 

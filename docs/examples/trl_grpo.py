@@ -236,7 +236,7 @@ def main() -> None:
         if not args.cudnn_sdpa:
             # GRPO left-pads prompts, so some query rows see only padding. On H200 (torch
             # 2.11) cuDNN's attention backward gave NaN gradients for some such layouts, in
-            # unmodified TRL too (benchmarks/sdpa_left_pad.py); memory-efficient attention
+            # unmodified TRL too (benchmarks/probes/sdpa_left_pad.py); memory-efficient attention
             # takes the same masks without it. Both variants run with it off.
             torch.backends.cuda.enable_cudnn_sdp(False)
     # Before the training arguments: accelerate keeps the group.

@@ -4,7 +4,7 @@
 #
 #   bash docs/examples/verl_gpu.sh fetch     # here (PyPI): .whl-verl/verl-gpu.tar, < 45 MB
 #   bash docs/examples/verl_gpu.sh setup     # there: verl's environment and the build only
-#                                            # (benchmarks/device_trainers.sh uses it)
+#                                            # (benchmarks/device/device_trainers.sh uses it)
 #   # one device call (nvidia-h100-x4, or -x2 for NPROCS=2):
 #   #   carry [".whl-verl/verl-gpu.tar"]  command: bash docs/examples/verl_gpu.sh run
 #   # results: $OUT/results.tgz (packed every 15 s) and $OUT/trainers.json. Order: the
@@ -124,7 +124,7 @@ setup() {  # verl's environment ($VENV/bin/python) and the extension, from the c
   chmod +x "$VENV/bin/python"
   "$VENV/bin/python" -c 'import verl.workers.engine_workers, datasets, ray
 print("verl env ok: ray", ray.__version__, "datasets", datasets.__version__)'
-  # The build, unless this machine has one (benchmarks/device_trl.sh's, or a warm machine's).
+  # The build, unless this machine has one (benchmarks/device/device_trl.sh's, or a warm machine's).
   python3 -c 'import torch_odc._C' 2>/dev/null \
     || python3 -m pip install -q --no-build-isolation --no-deps -e . > "$log" 2>&1 || {
       tail -30 "$log"; exit 1; }
@@ -152,7 +152,7 @@ run() {
   # 3 warm-up), a row each into trainers.json. verl_ppo.py runs without remove-padding
   # (use_remove_padding=False, sdpa), so the response width sets the work per row.
   # The device copy's git HEAD can be older than the tree that travelled: say so in the commit
-  # (as benchmarks/device_trl.sh does).
+  # (as benchmarks/device/device_trl.sh does).
   if [[ -z ${ODC_COMMIT:-} ]]; then
     ODC_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || true)
     git diff --quiet HEAD -- . 2>/dev/null || ODC_COMMIT="${ODC_COMMIT}+uncommitted-or-newer"

@@ -37,7 +37,7 @@
 // has kernels for every GPU; otherwise every rank refuses with the reason (supportProblem()).
 //
 // One launch per keyed op measured faster than per-peer copy-engine copies or per-peer kernels
-// on side streams (benchmarks/probe_nvlink.cu, docs/benchmarks.md); those remain behind
+// on side streams (benchmarks/probes/probe_nvlink.cu, docs/benchmarks.md); those remain behind
 // ODC_CUDA_FUSED=0 (waitFlag/read/accumulate below).
 #pragma once
 

@@ -44,7 +44,7 @@ class ODCConfig:
             of rows per microbatch, so its microbatches meet more distinct shapes than the
             unmodified trainer's, and cuDNN's attention (PyTorch's SDPA on Hopper) builds a plan
             per shape, sometimes loading new kernels for seconds; lengths in multiples of 64
-            meet far fewer (benchmarks/sdpa_shapes.py; docs/benchmarks.md). GRPO: the length
+            meet far fewer (benchmarks/probes/sdpa_shapes.py; docs/benchmarks.md). GRPO: the length
             (prompt plus completion, made up by left padding; each width keeps TRL's own
             multiple); None there means 128 on CUDA (its rows are left-padded: see
             docs/integrations/trl.md), and on CUDA no microbatch is 64 modulo 128 tokens long.

@@ -2,7 +2,7 @@
 // candidate designs for two one-sided NVLink primitives between GPUs of one host:
 //   gather ("G_*"): GPU g pulls every peer's shard S into out[p*S..]   (all-gather shape)
 //   push   ("P_*"): GPU g adds its fp32 chunk p into GPU p's acc       (reduce-scatter shape)
-// Build:  nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe_nvlink benchmarks/probe_nvlink.cu
+// Build:  nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe_nvlink benchmarks/probes/probe_nvlink.cu
 // Run:    /tmp/probe_nvlink [--gpus N] [--sizes 16M,64M,256M,1G] [--json probe_nvlink.json]
 //                           [--only G_sm,P_red] [--iters 20] [--warmup 3]
 // Timing: all N GPUs run concurrently. Per iteration every GPU's stream first spins on a

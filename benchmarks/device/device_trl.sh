@@ -8,9 +8,9 @@
 #                $NPROCS (default "2 4"), every row into trainers.json
 # Results go to a local folder packed into $OUT/results.tgz every 15 s (a call stopped at its
 # limit still returns what finished); trainers.json and the last log lines also land in $OUT.
-#   OUT=... ODC_DEVICE_KIND=nvidia-h100-x4 NPROCS="2 4" bash benchmarks/device_trl.sh tests,sft
+#   OUT=... ODC_DEVICE_KIND=nvidia-h100-x4 NPROCS="2 4" bash benchmarks/device/device_trl.sh tests,sft
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 final="${OUT:-benchmarks/results/trl_gpu}"; mkdir -p "$final"
 work="${ODC_TRL_WORK:-/tmp/odc_trl_results}"; mkdir -p "$work"  # one per concurrent call
 what="${1:-tests,sft,dpo,grpo}"

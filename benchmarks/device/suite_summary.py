@@ -1,8 +1,8 @@
 """The counts of a test run from pytest's JUnit XML files (one per phase of
-`benchmarks/device_run.sh tests`): one summary line, the skip reasons, the failed tests, the
+`benchmarks/device/device_run.sh tests`): one summary line, the skip reasons, the failed tests, the
 slowest tests.
 
-    python benchmarks/suite_summary.py --wall 312 --phase serial=a.xml:0 --phase parallel=b.xml:1
+    python benchmarks/device/suite_summary.py --wall 312 --phase serial=a.xml:0 --phase parallel=b.xml:1
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ hooks, the comm calls, ODC's hooks and the model's own Python. Two configuration
 each in its own group of the same two processes: plain FSDP2 over Gloo (the collective path's
 stand-in) and FSDP2 + torch_odc.attach. Every microbatch is one short sequence.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 benchmarks/host_profile.py
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 benchmarks/probes/host_profile.py
 
 Per configuration: median host ms per microbatch and per minibatch (the barrier included for
 ODC), wall and CPU time of the process (CPU time is what to compare on a loaded machine: other
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_e2e
 
 import torch_odc

@@ -5,12 +5,12 @@
 # Two 2-GPU rows share the host's CPUs (64 cores) and nothing else.
 #
 #   ODC_COMMIT=<commit> ODC_DEVICE_KIND=nvidia-h200-x4 OUT=$OUT \
-#     bash benchmarks/device_trainers.sh "grpo,verl" "grpo,verl"     # 2-GPU rows, 4-GPU rows
+#     bash benchmarks/device/device_trainers.sh "grpo,verl" "grpo,verl"     # 2-GPU rows, 4-GPU rows
 #   (a device call ends at 600 s: with ~90 s of preparation, a GRPO row takes ~170 s and a verl
 #   row ~240-300 s, so split the rows over calls, e.g. "" grpo, then "" verl)
 #   carry [".whl"] (sft, dpo, grpo) and ".whl-verl/verl-gpu.tar" (verl)
 #
-# Trainers: sft, dpo, grpo (benchmarks/device_trl.sh) and verl (docs/examples/verl_gpu.sh setup,
+# Trainers: sft, dpo, grpo (benchmarks/device/device_trl.sh) and verl (docs/examples/verl_gpu.sh setup,
 # then benchmarks/bench_trl.py verl in its environment). Every run's files are packed into
 # $OUT/<trainer>_<gpus>.tgz as it ends; the rows are merged into $OUT/trainers.json and the
 # timeline into $OUT/call.log (with 4 rows, 6 files come back). BENCH_TIMEOUT: seconds per
@@ -20,7 +20,7 @@
 # DRY=1 prints the plan (commands) without running anything (DRY_GPUS: the host's GPU count
 # it assumes, default 4).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/odc_trainers}"; mkdir -p "$OUT"
 two="${1:-}"; four="${2:-}"
 limit="${BENCH_TIMEOUT:-280}"
@@ -38,7 +38,7 @@ export ODC_COMMIT
 
 # Once, before any row: the TRL wheels and the build (device_trl.sh with no stage), verl's
 # environment (it rebuilds in the same tree, so not beside a running row).
-do_ env OUT=/tmp/odc_prep bash benchmarks/device_trl.sh none > /tmp/odc_prep.log 2>&1 \
+do_ env OUT=/tmp/odc_prep bash benchmarks/device/device_trl.sh none > /tmp/odc_prep.log 2>&1 \
   || { tail -20 /tmp/odc_prep.log; exit 1; }
 if [[ ",$two,$four," == *,verl,* ]]; then
   do_ bash docs/examples/verl_gpu.sh setup > /tmp/odc_verl_setup.log 2>&1 \
@@ -57,7 +57,7 @@ row() {  # trainer gpus devices: one row, its files packed into $OUT/<trainer>_<
       --summary "$work/trainers.json" ${BENCH_ARGS:-} > "$work/bench_verl_$n.log" 2>&1
   else
     do_ env CUDA_VISIBLE_DEVICES="$devices" ODC_TRL_WORK="$work" OUT="$work/out" NPROCS="$n" \
-      BENCH_TIMEOUT="$limit" bash benchmarks/device_trl.sh "$t" > "$work/device_trl_$n.log" 2>&1
+      BENCH_TIMEOUT="$limit" bash benchmarks/device/device_trl.sh "$t" > "$work/device_trl_$n.log" 2>&1
   fi
   local rc=$?
   [[ ${DRY:-0} == 1 ]] || (cd "$work" && find . -type f -size -12M ! -name '*.tgz' \

@@ -3,7 +3,7 @@ of N bytes (another process's, on GPU 0), alone, while the owner allocates anoth
 GPU work (40 chained 4096^2 matmuls) in a thread or inline. restore_gradient_memory() opens each
 peer's new accumulators this way; the thread case says whether a background open would hide it.
 
-    python3 benchmarks/probe_ipc_open.py [N]     # needs cupy (the GPU image has it)
+    python3 benchmarks/probes/probe_ipc_open.py [N]     # needs cupy (the GPU image has it)
 
 Result: benchmarks/results/ipc_open_1gpu_h200.log (the open costs the same in a thread: the
 main thread's GPU work is delayed by as much)."""

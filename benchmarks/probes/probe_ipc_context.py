@@ -1,10 +1,10 @@
-"""Why does cudaIpcOpenMemHandle of a peer's 1.9 GiB take ~12 ms in benchmarks/probe_ipc_open.py
-(and ~25 ms inside training) but ~0.2 ms in benchmarks/probe_vmm_map.cu? The same open, timed
+"""Why does cudaIpcOpenMemHandle of a peer's 1.9 GiB take ~12 ms in benchmarks/probes/probe_ipc_open.py
+(and ~25 ms inside training) but ~0.2 ms in benchmarks/probes/probe_vmm_map.cu? The same open, timed
 from Python through ctypes on the CUDA runtime (no cupy), with and without torch in each process:
 the owner (a spawned process) cudaMallocs N bytes, fills them and exports the handle; the importer
 opens it, reads one word (the first access), closes it.
 
-    python3 benchmarks/probe_ipc_context.py [N] [CUDART]   # CUDART: a libcudart.so (default:
+    python3 benchmarks/probes/probe_ipc_context.py [N] [CUDART]   # CUDART: a libcudart.so (default:
                                                            # /usr/local/cuda/lib64/libcudart.so)
 
 Result (benchmarks/results/ipc_open_size_1gpu_h200.log): not Python, the size. 2055368704 bytes

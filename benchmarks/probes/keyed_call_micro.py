@@ -5,7 +5,7 @@ minibatch; the unit's push comm call is called as FSDP2 calls it (with the .grad
 calls after it), then the C++ entry alone (pybind included), then the Python bookkeeping alone.
 The C++ clock (``stats()["cpp_host_s"]``) gives the C++ part of each. Best of 5 rounds.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 benchmarks/keyed_call_micro.py [--calls 5000]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 benchmarks/probes/keyed_call_micro.py [--calls 5000]
 
 A hot loop shows what a call costs at best; in a training step the same Python costs several
 times more (docs/benchmarks.md, "Where a keyed call's host time goes, in place").

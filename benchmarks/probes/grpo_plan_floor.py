@@ -13,8 +13,8 @@ costs less under that model. Reports, per floor (in tokens: the floor's seconds 
 seconds per padded token), the slowest rank's cost under the adapter's plan and under the best
 plan found.
 
-    python benchmarks/grpo_plan_floor.py --record benchmarks/results/trl_grpo_2gpu_h200x2_29897a3.json
-    python benchmarks/grpo_plan_floor.py --gpus 4 --caps 4436,14292,...   # caps per step
+    python benchmarks/probes/grpo_plan_floor.py --record benchmarks/results/trl_grpo_2gpu_h200x2_29897a3.json
+    python benchmarks/probes/grpo_plan_floor.py --gpus 4 --caps 4436,14292,...   # caps per step
 
 Writes --out (default benchmarks/results/grpo_plan_floor.json; the committed runs are
 grpo_plan_floor_{2,4}gpu.json, from the 2-GPU record above and trl_grpo_4gpu_h200x4.json).
@@ -30,7 +30,7 @@ import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "docs", "examples"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "docs", "examples"))
 
 from trl_grpo import build_prompts
 
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-completion", type=int, default=32)
     p.add_argument("--mean-completion", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "grpo_plan_floor.json"))
+    p.add_argument("--out", default=os.path.join(HERE, "..", "results", "grpo_plan_floor.json"))
     args = p.parse_args(argv)
     world = args.gpus
     if args.record:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the GPU tests, the transport benchmark
 # on 2, 4 and 8 GPUs (those present), the training-step benchmark. Logs and results go to $OUT
-# (default: benchmarks/results). benchmarks/device_call.sh wraps it for the device tool (results
+# (default: benchmarks/results). benchmarks/device/device_call.sh wraps it for the device tool (results
 # packed into one archive while it runs, so a call stopped at its limit still returns them).
-#   bash benchmarks/device_run.sh [MODE[,MODE...]]   modes: tests bench step memory sanitize e2e
+#   bash benchmarks/device/device_run.sh [MODE[,MODE...]]   modes: tests bench step memory sanitize e2e
 #   diag; all = tests,bench,step (ODC_BASELINE: see below)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-benchmarks/results}"
 what="${1:-all}"; [[ $what == all ]] && what="tests,bench,step"
 has() { [[ ",$what," == *",$1,"* ]]; }
@@ -143,7 +143,7 @@ if has tests; then
     phases+=(--phase "$label=$OUT/gpu_tests_$phase.xml:$prc:$(( SECONDS - t0 ))")
     (( prc == 0 || prc == 5 )) || rc=1
   done
-  "$PY" benchmarks/suite_summary.py --wall $(( SECONDS - t_start )) --gpus "$gpus" "${phases[@]}" \
+  "$PY" benchmarks/device/suite_summary.py --wall $(( SECONDS - t_start )) --gpus "$gpus" "${phases[@]}" \
     | tee "$OUT/gpu_tests_summary.txt" || rc=1
 fi
 if has bench; then

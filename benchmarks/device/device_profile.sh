@@ -2,18 +2,18 @@
 # One device call: where a trainer's steps go. Runs benchmarks/bench_trl.py MODE (ODC only by
 # default) with the listed steps under torch.profiler, their Chrome traces per rank, and
 # benchmarks/trace_phases.py's table of them; on a one-GPU host two ranks share the GPU.
-#   ODC_COMMIT=<commit> OUT=$OUT STEPS=7,12 bash benchmarks/device_profile.sh grpo
+#   ODC_COMMIT=<commit> OUT=$OUT STEPS=7,12 bash benchmarks/device/device_profile.sh grpo
 #   (carry [".whl"]; VARIANTS=odc,plain on a host with a GPU per rank; NPROC, default 2;
 #   PROFILE_ARGS: more arguments of the example, e.g. "--size 3b --steps 7")
 # Back in $OUT: phases.txt, each run's JSON and log and the tables' JSON (profile.tgz), and up
 # to 4 traces (traces_<variant>_step<N>_rank<R>.json.gz, each under the tool's 16 MiB a file).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mode="${1:?trainer: sft, dpo or grpo}"
 OUT="${OUT:-/tmp/odc_profile}"; mkdir -p "$OUT"
 work=/tmp/odc_profile_work; rm -rf "$work"; mkdir -p "$work"
 export ODC_COMMIT="${ODC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
-env OUT=/tmp/odc_prep bash benchmarks/device_trl.sh none > "$OUT/prep.log" 2>&1 \
+env OUT=/tmp/odc_prep bash benchmarks/device/device_trl.sh none > "$OUT/prep.log" 2>&1 \
   || { tail -20 "$OUT/prep.log"; exit 1; }
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 rc=0

@@ -8,7 +8,7 @@
 // Each round: the owner allocates N bytes, fills them with the round's byte, shares them; the
 // importer maps them, checks one word, unmaps; the owner frees. Times per round in ms.
 //
-//   nvcc -O2 -o /tmp/probe_vmm_map benchmarks/probe_vmm_map.cu -lcuda && /tmp/probe_vmm_map [N [B [M]]]
+//   nvcc -O2 -o /tmp/probe_vmm_map benchmarks/probes/probe_vmm_map.cu -lcuda && /tmp/probe_vmm_map [N [B [M]]]
 //   EXEC=1 /tmp/probe_vmm_map ...   # the importer exec'd as a program of its own
 // B: bytes each process allocates (and fills) before the rounds and holds, as a training
 // process holds its model and caches (default 0); M: anonymous host mappings each process

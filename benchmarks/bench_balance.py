@@ -2,7 +2,7 @@
 
 For each length distribution, world size and sequences per rank it draws minibatches, plans them
 in both modes and reports makespan / lower_bound (1.0 = perfectly balanced) and planning time,
-then times the 10,000-sequence, 64-rank case. Writes benchmarks/results/balance_cpu.json and
+then times the 10,000-sequence, 64-rank case. Writes benchmarks/results/balance/balance_cpu.json and
 balance_cpu.png and prints the table last.
 
     python benchmarks/bench_balance.py            # full run (about a minute on 2 cores)
@@ -27,7 +27,7 @@ from workloads import equal, long_context, rl_like
 from torch_odc import balance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "balance")
 
 WORLD_SIZES = (4, 8, 32, 64)
 PER_RANK = (4, 16)

@@ -2,7 +2,7 @@
 
 Launch one process per GPU (the device runs; see docs/benchmarks.md):
 
-    torchrun --nproc-per-node=4 benchmarks/bench_e2e.py --out benchmarks/results
+    torchrun --nproc-per-node=4 benchmarks/bench_e2e.py --out benchmarks/results/e2e
 
 A Llama-style decoder (RMSNorm, rotary, SwiGLU, causal flash attention; random init, no
 downloads) trained with bf16 compute, fp32 master weights and fp32 gradient reduction, activation
@@ -1193,7 +1193,7 @@ def main():
         default=1.0,
         help="multiply sequence lengths (CPU smoke tests use ~1/256)",
     )
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/e2e")
     p.add_argument("--tag", default=None, help="file name tag (default: model_world)")
     p.add_argument(
         "--calibration",

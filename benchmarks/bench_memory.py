@@ -204,7 +204,7 @@ def main():
         default=0,
         help="then time this many free/restore_gradient_memory cycles (ODC)",
     )
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/memory")
     p.add_argument("--tag", default=None)
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
     args = p.parse_args()

@@ -4,8 +4,8 @@ One GPU, 2 ranks sharing it (only ODC's own flows: NCCL refuses two ranks on one
 rank per GPU, with FSDP2 over NCCL beside it (``--baseline auto``, the default, runs it when
 every rank has a GPU of its own):
 
-    torchrun --nproc-per-node=2 benchmarks/bench_step.py --out benchmarks/results
-    torchrun --nproc-per-node=4 benchmarks/bench_step.py --out benchmarks/results
+    torchrun --nproc-per-node=2 benchmarks/bench_step.py --out benchmarks/results/step
+    torchrun --nproc-per-node=4 benchmarks/bench_step.py --out benchmarks/results/step
     # CPU smoke test of the code path (shared-memory transport, FSDP2 over gloo beside it):
     torchrun --nproc-per-node=2 benchmarks/bench_step.py --device cpu --layers 2 --dim 64 \
         --heads 4 --kv-heads 2 --ffn 176 --vocab 512 --seq 64 --baseline on
@@ -885,7 +885,7 @@ def main():
         default=1024,
         help="largest copy buffer of the reference (a larger total cycles it)",
     )
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="benchmarks/results/step")
     p.add_argument("--tag", default=None)
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of a result")
     args = p.parse_args()

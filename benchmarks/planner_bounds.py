@@ -4,7 +4,7 @@ model (CPU only, no GPU: planner arithmetic).
 
     python benchmarks/planner_bounds.py --calibration DENSE,ATTN,FLOOR   # from a device run
 
-Writes benchmarks/results/planner_bounds.json and prints the table.
+Writes benchmarks/results/balance/planner-bounds_cpu.json and prints the table.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def main(argv=None) -> None:
     p.add_argument(
         "--out",
         default=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results", "planner_bounds.json"
+            os.path.dirname(os.path.abspath(__file__)),
+            "results",
+            "balance",
+            "planner-bounds_cpu.json",
         ),
     )
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Projection of one HSDP training minibatch to several nodes: ODC with LB-Mini against FSDP2's own
 HSDP over NCCL with LB-Micro. A model on CPU, not a measurement: no multi-node run exists yet.
 
-    python benchmarks/sim_multinode.py          # results/multinode_projection.{json,png}
+    python benchmarks/sim_multinode.py          # results/multinode/multinode_projection.{json,png}
 
 What is modeled (every assumption is also written into the JSON):
 
@@ -12,7 +12,7 @@ What is modeled (every assumption is also written into the JSON):
   sequence per microbatch (``--pack-tokens 1``, as the e2e runs).
 * Compute: a microbatch costs the e2e benchmark's calibrated ``TimeCost`` (per-microbatch floor
   + dense flops / dense rate + attention flops / attention rate), read from the committed
-  ``benchmarks/results/e2e_*.json`` of the model (7B: 2 x H100; 1B: 4 x H200). The fit is
+  ``benchmarks/results/e2e/e2e_*.json`` of the model (7B: 2 x H100; 1B: 4 x H200). The fit is
   checked against the per-microbatch GPU times those files hold (``calibration_check``).
   Activation checkpointing: a microbatch is 1/4 forward, 3/4 recompute + backward, spread
   evenly over the L layers (the root's embedding and head counted as layers).
@@ -84,7 +84,10 @@ WORKLOADS = {
 # name: (dim, layers, heads, kv_heads, ffn, vocab), as bench_e2e.MODELS
 SHAPES = {"1b": (2048, 19, 16, 8, 5632, 32000), "7b": (4096, 32, 32, 32, 11008, 32000)}
 # The committed e2e run whose calibration each model uses (the cost model of its planner).
-CALIBRATION_FILES = {"7b": "e2e_7b_2gpu_4spr_h100x2.json", "1b": "e2e_1b_4gpu_16spr.json"}
+CALIBRATION_FILES = {
+    "7b": "e2e_7b_2gpu-4spr_h100x2_2026-11-25.json",
+    "1b": "e2e_1b_4gpu-16spr_h200x4_2026-11-21.json",
+}
 REPLICA_BUCKET_BYTES = 256 << 20  # torch_odc/_handle.py, _REPLICA_BUCKET_BYTES
 
 
@@ -491,12 +494,12 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--results",
-        default=os.path.join(HERE, "results"),
+        default=os.path.join(HERE, "results", "e2e"),
         help="where the committed e2e JSONs are read",
     )
     p.add_argument(
         "--out",
-        default=os.path.join(HERE, "results", "multinode_projection"),
+        default=os.path.join(HERE, "results", "multinode", "multinode_projection"),
         help="output path without .json / .png",
     )
     p.add_argument("--no-plot", action="store_true")

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import sim_multinode as sim
 from workloads import long_context, rl_like
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "e2e")
 COST = sim.time_cost(
     {"floor_s": 0.5, "dense_flops_per_s": 4.4e14, "attention_flops_per_s": 2.8e14}, "7b", 1
 )
@@ -104,7 +104,7 @@ def test_uneven_counts_are_refused_for_fsdp2():
 def test_validation_against_the_committed_7b_run():
     """At the size of the committed 7B run (2 GPUs, one node) on the minibatches it measured,
     the modeled speed-up of ODC over FSDP2 is within 0.05 of the measured one."""
-    rows = sim.validate(os.path.join(RESULTS, "e2e_7b_2gpu_4spr_h100x2.json"), 270.0)
+    rows = sim.validate(os.path.join(RESULTS, "e2e_7b_2gpu-4spr_h100x2_2026-11-25.json"), 270.0)
     assert {r["workload"] for r in rows} == {"long-context", "rl"}
     for r in rows:
         assert abs(r["modeled_speedup"] - r["measured_speedup"]) < 0.05, r

@@ -11,7 +11,7 @@
 #   OUT=... ODC_DEVICE_KIND=nvidia-h100-x4 NPROCS="2 4" bash benchmarks/device/device_trl.sh tests,sft
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-final="${OUT:-benchmarks/results/trl_gpu}"; mkdir -p "$final"
+final="${OUT:-benchmarks/results/trainers}"; mkdir -p "$final"
 work="${ODC_TRL_WORK:-/tmp/odc_trl_results}"; mkdir -p "$work"  # one per concurrent call
 what="${1:-tests,sft,dpo,grpo}"
 has() { [[ ",$what," == *",$1,"* ]]; }

@@ -13,11 +13,12 @@ costs less under that model. Reports, per floor (in tokens: the floor's seconds 
 seconds per padded token), the slowest rank's cost under the adapter's plan and under the best
 plan found.
 
-    python benchmarks/probes/grpo_plan_floor.py --record benchmarks/results/trl_grpo_2gpu_h200x2_29897a3.json
+    python benchmarks/probes/grpo_plan_floor.py --record benchmarks/results/trainers/trl_grpo_1b_2gpu-round1_h200x2_2026-11-30.json
     python benchmarks/probes/grpo_plan_floor.py --gpus 4 --caps 4436,14292,...   # caps per step
 
-Writes --out (default benchmarks/results/grpo_plan_floor.json; the committed runs are
-grpo_plan_floor_{2,4}gpu.json, from the 2-GPU record above and trl_grpo_4gpu_h200x4.json).
+Writes --out (default benchmarks/results/probes/grpo_plan_floor.json; the committed runs are
+probes/grpo-plan-floor_1b_{2,4}gpu_cpu_2026-11-30.json, from the 2-GPU record above and
+trainers/trl_grpo_1b_4gpu_h200x4_2026-11-29.json).
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-completion", type=int, default=32)
     p.add_argument("--mean-completion", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(HERE, "..", "results", "grpo_plan_floor.json"))
+    p.add_argument(
+        "--out", default=os.path.join(HERE, "..", "results", "probes", "grpo_plan_floor.json")
+    )
     args = p.parse_args(argv)
     world = args.gpus
     if args.record:

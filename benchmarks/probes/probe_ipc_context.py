@@ -7,7 +7,7 @@ opens it, reads one word (the first access), closes it.
     python3 benchmarks/probes/probe_ipc_context.py [N] [CUDART]   # CUDART: a libcudart.so (default:
                                                            # /usr/local/cuda/lib64/libcudart.so)
 
-Result (benchmarks/results/ipc_open_size_1gpu_h200.log): not Python, the size. 2055368704 bytes
+Result (benchmarks/results/probes/ipc-open-size_1gpu_h200_2026-11-29.log): not Python, the size. 2055368704 bytes
 (980.1 pages of 2 MiB) open in ~15 ms, 2057306112 (981 pages) in ~0.2 ms, here as in C++.
 """
 

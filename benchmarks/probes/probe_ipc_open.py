@@ -5,7 +5,7 @@ peer's new accumulators this way; the thread case says whether a background open
 
     python3 benchmarks/probes/probe_ipc_open.py [N]     # needs cupy (the GPU image has it)
 
-Result: benchmarks/results/ipc_open_1gpu_h200.log (the open costs the same in a thread: the
+Result: benchmarks/results/ipc_open_1gpu_h200.log in git history (the open costs the same in a thread: the
 main thread's GPU work is delayed by as much)."""
 
 import sys

@@ -9,7 +9,7 @@ rounding and the unmodified trainer a finite one. Left padding leaves query rows
 attend to (a pad position sees only pads before it); rounding the prompt width up gives every
 row such rows, the longest prompt included. This runs the layouts side by side per backend.
 
-    python benchmarks/probes/sdpa_left_pad.py --out benchmarks/results/sdpa_left_pad_h200.json
+    python benchmarks/probes/sdpa_left_pad.py --out benchmarks/results/probes/sdpa-left-pad_1b_1gpu_h200_2026-11-28.json
 """
 
 from __future__ import annotations

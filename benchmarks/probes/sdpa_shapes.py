@@ -9,7 +9,7 @@ examples' ``--profile-steps``). cuDNN's SDPA builds an execution plan per distin
 The unmodified trainer runs ``per_device_train_batch_size`` rows in every microbatch; ODC packs
 a varying number of rows. This measures which shape changes are expensive.
 
-    python benchmarks/probes/sdpa_shapes.py --out benchmarks/results/sdpa_shapes_h200.json
+    python benchmarks/probes/sdpa_shapes.py --out benchmarks/results/probes/sdpa-shapes_1b_1gpu_h200_2026-11-28.json
 Each variant runs in a fresh process (the plan cache lives for the process).
 """
 

@@ -399,9 +399,10 @@ def readme_tables(t: dict) -> str:
 
 def files_listing(index: dict) -> str:
     lines = []
-    for folder in sorted({os.path.dirname(k) for k in index["files"]}):
+    files = with_decompositions(index)
+    for folder in sorted({os.path.dirname(k) for k in files}):
         lines.append(f"\n### {folder}/\n")
-        for rel, meta in sorted(index["files"].items()):
+        for rel, meta in sorted(files.items()):
             if os.path.dirname(rel) == folder:
                 lines.append(f"- [{os.path.basename(rel)}]({rel}): {meta['what']}")
     return "\n".join(lines).strip()
@@ -417,8 +418,20 @@ def committed_files() -> set:
     return found
 
 
+def with_decompositions(index: dict) -> dict:
+    """The index's files plus the one-rank decomposition records (found by name) and their
+    plots and logs, so that a new one needs no index entry."""
+    files = dict(index["files"])
+    pattern = re.compile(r"trainers/.*_1gpu-decomposition-a_.*\.(json|png|log)$")
+    for rel in committed_files():
+        if rel not in files and pattern.match(rel):
+            kind = {"json": "record", "png": "plot", "log": "log"}[rel.rsplit(".", 1)[1]]
+            files[rel] = {"what": f"a trainer's plan on one rank (bench_trl --nproc 1): {kind}"}
+    return files
+
+
 def index_problems(index: dict) -> list:
-    listed, present = set(index["files"]), committed_files()
+    listed, present = set(with_decompositions(index)), committed_files()
     return [f"benchmarks/results/{f} is not in index.json" for f in sorted(present - listed)] + [
         f"index.json lists benchmarks/results/{f}, which is missing"
         for f in sorted(listed - present)

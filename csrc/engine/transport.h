@@ -24,19 +24,6 @@ struct WaitContext {
   std::function<std::string()> describe;  // e.g. "peer rank 3 to publish key 'layers.0' ..."
 };
 
-// The address of `offset` (>= the layout's accumBegin()) in peer `peer`'s accumulators, mapped
-// at `base` (null: not mapped, an error naming both ranks).
-inline uint8_t* accumulatorAddress(uint8_t* base, int rank, int peer, size_t offset,
-                                   size_t accum_begin) {
-  if (!base) {
-    throw OdcError("odc: rank " + std::to_string(rank) + ": the gradient accumulators of rank " +
-                   std::to_string(peer) +
-                   " are not mapped (freed by torch_odc.free_gradient_memory(), or the "
-                   "transport closed)");
-  }
-  return base + (offset - accum_begin);
-}
-
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -157,6 +144,9 @@ class Transport {
   // Makes every pending wait give up at once (process-group abort, shutdown); the data behind
   // such a wait is never used. Host transports wait synchronously and need nothing here.
   virtual void abort() {}
+  // Raises an error a device-side wait or a watchdog recorded (sticky), before any further op.
+  // Host transports raise at the failing call itself and need nothing here.
+  virtual void checkErrors() {}
 
   // ---- host control (barrier words; always host-visible) ----
   virtual void storeControl(size_t offset, uint64_t value) = 0;  // own region, release

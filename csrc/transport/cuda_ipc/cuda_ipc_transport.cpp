@@ -53,7 +53,7 @@ CudaIpcTransport::CudaIpcTransport(int rank, int world, int device)
     : rank_(rank),
       world_(world),
       device_(device),
-      bases_(world, nullptr),
+      regions_(world),
       control_(rank, world),
       wait_descriptions_(kSlots) {}
 
@@ -66,9 +66,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   DeviceGuard guard(device_);
   timeout_ = timeout;
   bytes_ = layout.accumBegin();
-  accum_begin_ = layout.accumBegin();
-  acc_bytes_ = layout.accumRegionBytes();
-  acc_bases_.assign(static_cast<size_t>(world_), nullptr);
+  regions_.setLayout(layout, world_);
   const std::string problem =
       supportProblem(rank_, world_, device_, rdv, prefix + "/support", timeout);
   if (!problem.empty()) {
@@ -116,7 +114,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
   void* base = nullptr;
   check(cudaMalloc(&base, exportedBytes(bytes_)), rank_,
         "cudaMalloc of the " + std::to_string(bytes_) + "-byte ODC region");
-  bases_[rank_] = static_cast<uint8_t*>(base);
+  regions_.bases[rank_] = static_cast<uint8_t*>(base);
   own_ = std::shared_ptr<void>(base, [device = device_](void* p) {
     DeviceGuard g(device);
     cudaFree(p);  // at exit the context may be gone already: nothing to report then
@@ -139,7 +137,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
     void* p = nullptr;
     check(cudaIpcOpenMemHandle(&p, peer_handle, cudaIpcMemLazyEnablePeerAccess), rank_,
           "cudaIpcOpenMemHandle of rank " + std::to_string(r) + "'s region");
-    bases_[r] = static_cast<uint8_t*>(p);
+    regions_.bases[r] = static_cast<uint8_t*>(p);
   }
   side_.assign(world_, nullptr);
   joined_.assign(world_, nullptr);
@@ -163,7 +161,7 @@ void CudaIpcTransport::connect(Rendezvous& rdv, const std::string& prefix,
 
 void CudaIpcTransport::close() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (bases_.empty()) return;
+  if (regions_.bases.empty()) return;
   DeviceGuard guard(device_);
   // No device-wide synchronize: wait (under the deadline) only for the streams ODC used. The
   // watchdog keeps running meanwhile, so a wait on a peer that is gone is aborted within
@@ -181,24 +179,24 @@ void CudaIpcTransport::close() {
                  "odc: rank %d: ODC device work still pending at close after %.1f s; its "
                  "memory is not freed\n",
                  rank_, timeout_.count() / 1000.0);
-    bases_.clear();
-    acc_bases_.clear();
+    regions_.bases.clear();
+    regions_.acc_bases.clear();
     new std::shared_ptr<void>(std::move(own_));      // leaked on purpose, pins or not
     new std::shared_ptr<void>(std::move(acc_own_));  // (the accumulators too)
     control_.close();
     return;
   }
   for (int r = 0; r < world_; ++r) {
-    if (bases_[r] && r != rank_) cudaIpcCloseMemHandle(bases_[r]);
-    bases_[r] = nullptr;
-    if (r < static_cast<int>(acc_bases_.size()) && acc_bases_[r] && r != rank_) {
-      cudaIpcCloseMemHandle(acc_bases_[r]);
+    if (regions_.bases[r] && r != rank_) cudaIpcCloseMemHandle(regions_.bases[r]);
+    regions_.bases[r] = nullptr;
+    if (r < static_cast<int>(regions_.acc_bases.size()) && regions_.acc_bases[r] && r != rank_) {
+      cudaIpcCloseMemHandle(regions_.acc_bases[r]);
     }
   }
-  acc_bases_.clear();
+  regions_.acc_bases.clear();
   acc_own_.reset();  // freed here, or when the last gradient view is freed
   own_.reset();      // freed here, or when the last tensor viewing it is freed
-  bases_.clear();
+  regions_.bases.clear();
   for (auto& s : side_) {
     if (s) cudaStreamDestroy(s);
     s = nullptr;
@@ -449,19 +447,6 @@ bool CudaIpcTransport::drain(Clock::time_point deadline, bool raise_errors) {
   return done;
 }
 
-uint8_t* CudaIpcTransport::at(int peer, size_t offset) const {
-  if (offset >= accum_begin_ && acc_bytes_ > 0) {
-    return accumulatorAddress(acc_bases_.at(static_cast<size_t>(peer)), rank_, peer, offset,
-                              accum_begin_);
-  }
-  uint8_t* base = bases_.at(static_cast<size_t>(peer));
-  if (!base) {
-    throw OdcError("odc: rank " + std::to_string(rank_) + ": region of rank " +
-                   std::to_string(peer) + " is not mapped (transport closed?)");
-  }
-  return base + offset;
-}
-
 cudaStream_t CudaIpcTransport::peerStream(int peer, cudaStream_t main) {
   if (peer == rank_) return main;
   if (!forked_) {
@@ -580,11 +565,11 @@ std::string CudaIpcTransport::createAccumulators(uint64_t /*gen*/) {
   DeviceGuard guard(device_);
   dropAccumulators();
   void* base = nullptr;
-  const cudaError_t err = cudaMalloc(&base, exportedBytes(acc_bytes_));
+  const cudaError_t err = cudaMalloc(&base, exportedBytes(regions_.acc_bytes));
   if (err != cudaSuccess) {
     cudaGetLastError();  // not sticky: a retry may succeed
     throw OdcError("odc: rank " + std::to_string(rank_) + ": cudaMalloc of the " +
-                   std::to_string(acc_bytes_) +
+                   std::to_string(regions_.acc_bytes) +
                    "-byte gradient accumulators: " + cudaGetErrorString(err));
   }
   std::shared_ptr<void> own(base, [device = device_](void* p) {
@@ -592,14 +577,14 @@ std::string CudaIpcTransport::createAccumulators(uint64_t /*gen*/) {
     cudaFree(p);  // at exit the context may be gone already: nothing to report then
   });
   // Zeroed before any peer can learn the handle (the engine publishes it after this returns).
-  check(cudaMemsetAsync(base, 0, acc_bytes_, ctl_stream_), rank_, "cudaMemsetAsync");
+  check(cudaMemsetAsync(base, 0, regions_.acc_bytes, ctl_stream_), rank_, "cudaMemsetAsync");
   check(cudaStreamSynchronize(ctl_stream_), rank_, "cudaStreamSynchronize");
   cudaIpcMemHandle_t handle;
   check(cudaIpcGetMemHandle(&handle, base), rank_, "cudaIpcGetMemHandle");
   {
     std::lock_guard<std::mutex> lock(mu_);
     acc_own_ = std::move(own);
-    acc_bases_[rank_] = static_cast<uint8_t*>(base);
+    regions_.acc_bases[rank_] = static_cast<uint8_t*>(base);
   }
   return std::string(reinterpret_cast<const char*>(&handle), sizeof handle);
 }
@@ -616,18 +601,18 @@ void CudaIpcTransport::openAccumulators(int peer, const std::string& blob) {
   check(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess), rank_,
         "cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s gradient accumulators");
   std::lock_guard<std::mutex> lock(mu_);
-  if (acc_bases_[peer]) cudaIpcCloseMemHandle(acc_bases_[peer]);
-  acc_bases_[peer] = static_cast<uint8_t*>(p);
+  if (regions_.acc_bases[peer]) cudaIpcCloseMemHandle(regions_.acc_bases[peer]);
+  regions_.acc_bases[peer] = static_cast<uint8_t*>(p);
 }
 
 void CudaIpcTransport::closePeerAccumulators() {
   DeviceGuard guard(device_);
   std::lock_guard<std::mutex> lock(mu_);
-  for (int r = 0; r < static_cast<int>(acc_bases_.size()); ++r) {
-    if (r == rank_ || !acc_bases_[r]) continue;
-    check(cudaIpcCloseMemHandle(acc_bases_[r]), rank_,
+  for (int r = 0; r < static_cast<int>(regions_.acc_bases.size()); ++r) {
+    if (r == rank_ || !regions_.acc_bases[r]) continue;
+    check(cudaIpcCloseMemHandle(regions_.acc_bases[r]), rank_,
           "cudaIpcCloseMemHandle of rank " + std::to_string(r) + "'s gradient accumulators");
-    acc_bases_[r] = nullptr;
+    regions_.acc_bases[r] = nullptr;
   }
 }
 
@@ -635,7 +620,7 @@ void CudaIpcTransport::dropAccumulators() {
   std::shared_ptr<void> own;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!acc_bases_.empty()) acc_bases_[rank_] = nullptr;
+    if (!regions_.acc_bases.empty()) regions_.acc_bases[rank_] = nullptr;
     own = std::move(acc_own_);
   }
   own.reset();  // freed here (outside the lock), or when the last gradient view is freed

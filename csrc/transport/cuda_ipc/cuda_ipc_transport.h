@@ -53,6 +53,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/region_map.h"
 #include "engine/transport.h"
 #include "transport/cuda_ipc/kernels.h"
 #include "transport/shm/shm_transport.h"
@@ -105,6 +106,7 @@ class CudaIpcTransport : public Transport {
   // Raises if a device-side wait gave up or the watchdog recorded an error (called before every
   // keyed op, in Work::wait and in quiesce). Sticky: every later call raises too.
   void checkDeviceErrors();
+  void checkErrors() override { checkDeviceErrors(); }
   // Sets the abort word: every device wait returns at once, copies behind them are skipped.
   void abort() override;
 
@@ -135,7 +137,7 @@ class CudaIpcTransport : public Transport {
   void calibrateClock();
   // Polls until every stream ODC used has finished its work, or `deadline`; false on timeout.
   bool drain(Clock::time_point deadline, bool raise_errors);
-  uint8_t* at(int peer, size_t offset) const;
+  uint8_t* at(int peer, size_t offset) const { return regions_.at(rank_, peer, offset); }
   // The fp32 accumulator element `elem` of the key accumulator at `accum_offset` in `peer`.
   void* accumAt(int peer, size_t accum_offset, size_t elem, DType dtype);
   // The stream a peer's part of the current op runs on: its side stream, forked from `main`
@@ -161,12 +163,10 @@ class CudaIpcTransport : public Transport {
   size_t bytes_ = 0;
   // The own cudaMalloc: freed at close() once no pin (pinLocal) holds it any more.
   std::shared_ptr<void> own_;
-  std::vector<uint8_t*> bases_;  // device pointers; bases_[rank_] is the own cudaMalloc
-  // The accumulators (offsets from accum_begin_ on): one cudaMalloc per generation, exported
-  // by its IPC handle (engine.h, "Gradient memory"); acc_own_ frees it once no pin holds it.
-  size_t accum_begin_ = 0;
-  size_t acc_bytes_ = 0;
-  std::vector<uint8_t*> acc_bases_;
+  // Device pointers of every rank's region (regions_.bases[rank_] is the own cudaMalloc) and
+  // accumulators: one cudaMalloc per generation, exported by its IPC handle (engine.h, "Gradient
+  // memory"); acc_own_ frees the own one once no pin holds it.
+  RegionMap regions_;
   std::shared_ptr<void> acc_own_;
   ShmTransport control_;
   cuda_ipc::DeviceError* error_host_ = nullptr;  // mapped pinned memory

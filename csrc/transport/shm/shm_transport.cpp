@@ -106,7 +106,7 @@ void accumulateCpu(void* dst, const void* src, size_t numel, DType dtype, double
 ShmTransport::ShmTransport(int rank, int world)
     : rank_(rank),
       world_(world),
-      bases_(world, nullptr),
+      regions_(world),
       pids_(world, 0),
       dead_(new std::atomic<bool>[static_cast<size_t>(world)]) {
   for (int r = 0; r < world_; ++r) dead_[r].store(false);
@@ -159,9 +159,7 @@ void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
                                const RegionLayout& layout) {
   layout_ = layout;
   bytes_ = layout.accumBegin();
-  accum_begin_ = layout.accumBegin();
-  acc_bytes_ = layout.accumRegionBytes();
-  acc_bases_.assign(static_cast<size_t>(world_), nullptr);
+  regions_.setLayout(layout, world_);
   const std::string me = "odc: rank " + std::to_string(rank_);
   // A name no other job on this host uses: the job token (from rank 0) plus pid and rank.
   std::string token;
@@ -189,10 +187,10 @@ void ShmTransport::connectImpl(Rendezvous& rdv, const std::string& prefix,
   void* base = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   if (base == MAP_FAILED) throw OdcError(sysError(me + ": mmap " + name_));
-  bases_[rank_] = static_cast<uint8_t*>(base);
+  regions_.bases[rank_] = static_cast<uint8_t*>(base);
   own_ = std::shared_ptr<void>(base, [bytes = bytes_](void* p) { ::munmap(p, bytes); });
   pids_[rank_] = ::getpid();
-  atomic64(bases_[rank_] + layout.controlPid())->store(static_cast<uint64_t>(::getpid()));
+  atomic64(regions_.bases[rank_] + layout.controlPid())->store(static_cast<uint64_t>(::getpid()));
   startLifeLock();  // held before any peer can map the region
   rdv.set(prefix + "/shm/name/" + std::to_string(rank_), name_);
   for (int r = 0; r < world_; ++r) {
@@ -249,8 +247,8 @@ void ShmTransport::mapPeer(int r, const std::string& token, const std::string& p
   void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
   ::close(pfd);
   if (p == MAP_FAILED) throw OdcError(sysError(refuse + "mmap"));
-  bases_[r] = static_cast<uint8_t*>(p);
-  pids_[r] = static_cast<int>(atomic64(bases_[r] + layout_.controlPid())->load());
+  regions_.bases[r] = static_cast<uint8_t*>(p);
+  pids_[r] = static_cast<int>(atomic64(regions_.bases[r] + layout_.controlPid())->load());
 }
 
 void ShmTransport::unlinkKnownNames() {
@@ -259,7 +257,7 @@ void ShmTransport::unlinkKnownNames() {
 }
 
 void ShmTransport::startLifeLock() {
-  auto* life = reinterpret_cast<pthread_mutex_t*>(bases_[rank_] + layout_.controlLife());
+  auto* life = reinterpret_cast<pthread_mutex_t*>(regions_.bases[rank_] + layout_.controlLife());
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
   pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -301,24 +299,26 @@ std::string ShmTransport::createAccumulators(uint64_t gen) {
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw OdcError(sysError(me + ": shm_open " + name));
   acc_name_ = name;
-  if (::ftruncate(fd, static_cast<off_t>(acc_bytes_)) != 0) {
+  if (::ftruncate(fd, static_cast<off_t>(regions_.acc_bytes)) != 0) {
     const int err = errno;
     ::close(fd);
     ::shm_unlink(name.c_str());
     acc_name_.clear();
     errno = err;
-    throw OdcError(sysError(me + ": ftruncate " + name + " to " + std::to_string(acc_bytes_) +
+    throw OdcError(sysError(me + ": ftruncate " + name + " to " +
+                            std::to_string(regions_.acc_bytes) +
                             " bytes of gradient accumulators (is /dev/shm large enough?)"));
   }
-  void* base = ::mmap(nullptr, acc_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = ::mmap(nullptr, regions_.acc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   if (base == MAP_FAILED) {
     ::shm_unlink(name.c_str());
     acc_name_.clear();
     throw OdcError(sysError(me + ": mmap " + name));
   }
-  acc_bases_[rank_] = static_cast<uint8_t*>(base);  // a new segment reads as zeros
-  acc_own_ = std::shared_ptr<void>(base, [bytes = acc_bytes_](void* p) { ::munmap(p, bytes); });
+  regions_.acc_bases[rank_] = static_cast<uint8_t*>(base);  // a new segment reads as zeros
+  acc_own_ =
+      std::shared_ptr<void>(base, [bytes = regions_.acc_bytes](void* p) { ::munmap(p, bytes); });
   return name;
 }
 
@@ -335,16 +335,16 @@ void ShmTransport::openAccumulators(int peer, const std::string& blob) {
   if (fd < 0) throw OdcError(sysError(refuse + "shm_open"));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600 ||
-      !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != acc_bytes_) {
+      !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != regions_.acc_bytes) {
     ::close(fd);
-    throw OdcError(refuse + "not a 0600 segment of this user with " + std::to_string(acc_bytes_) +
-                   " bytes");
+    throw OdcError(refuse + "not a 0600 segment of this user with " +
+                   std::to_string(regions_.acc_bytes) + " bytes");
   }
-  void* p = ::mmap(nullptr, acc_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = ::mmap(nullptr, regions_.acc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   if (p == MAP_FAILED) throw OdcError(sysError(refuse + "mmap"));
-  if (acc_bases_[peer]) ::munmap(acc_bases_[peer], acc_bytes_);
-  acc_bases_[peer] = static_cast<uint8_t*>(p);
+  if (regions_.acc_bases[peer]) ::munmap(regions_.acc_bases[peer], regions_.acc_bytes);
+  regions_.acc_bases[peer] = static_cast<uint8_t*>(p);
 }
 
 void ShmTransport::accumulatorsOpened() {
@@ -353,15 +353,15 @@ void ShmTransport::accumulatorsOpened() {
 }
 
 void ShmTransport::closePeerAccumulators() {
-  for (int r = 0; r < static_cast<int>(acc_bases_.size()); ++r) {
-    if (r != rank_ && acc_bases_[r]) ::munmap(acc_bases_[r], acc_bytes_);
-    if (r != rank_) acc_bases_[r] = nullptr;
+  for (int r = 0; r < static_cast<int>(regions_.acc_bases.size()); ++r) {
+    if (r != rank_ && regions_.acc_bases[r]) ::munmap(regions_.acc_bases[r], regions_.acc_bytes);
+    if (r != rank_) regions_.acc_bases[r] = nullptr;
   }
 }
 
 void ShmTransport::dropAccumulators() {
   accumulatorsOpened();
-  if (!acc_bases_.empty()) acc_bases_[rank_] = nullptr;
+  if (!regions_.acc_bases.empty()) regions_.acc_bases[rank_] = nullptr;
   acc_own_.reset();  // unmapped here, or when the last gradient view is freed
 }
 
@@ -369,24 +369,11 @@ void ShmTransport::close() {
   closePeerAccumulators();
   dropAccumulators();
   stopLifeLock();  // before unmapping: the kernel marks the life lock in the mapped region
-  for (size_t r = 0; r < bases_.size(); ++r) {
-    if (bases_[r] && static_cast<int>(r) != rank_) ::munmap(bases_[r], bytes_);
-    bases_[r] = nullptr;
+  for (size_t r = 0; r < regions_.bases.size(); ++r) {
+    if (regions_.bases[r] && static_cast<int>(r) != rank_) ::munmap(regions_.bases[r], bytes_);
+    regions_.bases[r] = nullptr;
   }
   own_.reset();  // unmapped here, or when the last tensor viewing it is freed
-}
-
-uint8_t* ShmTransport::at(int peer, size_t offset) const {
-  if (offset >= accum_begin_ && acc_bytes_ > 0) {
-    return accumulatorAddress(acc_bases_.at(static_cast<size_t>(peer)), rank_, peer, offset,
-                              accum_begin_);
-  }
-  uint8_t* base = bases_.at(static_cast<size_t>(peer));
-  if (!base) {
-    throw OdcError("odc: rank " + std::to_string(rank_) + ": region of rank " +
-                   std::to_string(peer) + " is not mapped (transport closed?)");
-  }
-  return base + offset;
 }
 
 void ShmTransport::writeLocal(size_t offset, const void* src, size_t bytes, Stream) {
@@ -501,7 +488,7 @@ void ShmTransport::zeroLocal(size_t offset, size_t bytes, Stream) {
 }
 
 bool ShmTransport::peerAlive(int peer) {
-  uint8_t* base = bases_.at(static_cast<size_t>(peer));
+  uint8_t* base = regions_.bases.at(static_cast<size_t>(peer));
   if (peer == rank_) return true;
   if (dead_[peer].load(std::memory_order_relaxed)) return false;
   if (!base) return true;  // not mapped yet: nothing known

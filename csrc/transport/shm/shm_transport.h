@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/region_map.h"
 #include "engine/transport.h"
 
 namespace torch_odc {
@@ -79,7 +80,7 @@ class ShmTransport : public Transport {
   int peerPid(int peer) const { return pids_.at(static_cast<size_t>(peer)); }
 
  private:
-  uint8_t* at(int peer, size_t offset) const;
+  uint8_t* at(int peer, size_t offset) const { return regions_.at(rank_, peer, offset); }
   void connectImpl(Rendezvous& rdv, const std::string& prefix, const RegionLayout& layout);
   // Waits for `key`; fails at once if some rank posted an attach failure, or at the timeout.
   std::string await(Rendezvous& rdv, const std::string& prefix, const std::string& key,
@@ -103,13 +104,11 @@ class ShmTransport : public Transport {
   std::vector<std::string> peer_names_;  // every rank's checked region name
   const std::string& peerName(int peer) const { return peer_names_.at(static_cast<size_t>(peer)); }
   std::vector<std::string> names_to_unlink_;  // own and checked peers' names until unlinked
-  std::vector<uint8_t*> bases_;               // index = rank; bases_[rank_] is the own region
+  // Every rank's region (regions_.bases[rank_] is the own one) and accumulators: one segment per
+  // generation, named <region name>-a<gen>, unlinked once every rank mapped it (or when it is
+  // dropped).
+  RegionMap regions_;
   std::shared_ptr<void> own_;  // the own mapping: unmapped when close() and every pin dropped it
-  // The accumulators (offsets from accum_begin_ on): one segment per generation, named
-  // <region name>-a<gen>, unlinked once every rank mapped it (or when it is dropped).
-  size_t accum_begin_ = 0;
-  size_t acc_bytes_ = 0;
-  std::vector<uint8_t*> acc_bases_;
   std::shared_ptr<void> acc_own_;
   std::string acc_name_;  // the own segment's name while it is linked
   std::vector<int> pids_;

@@ -60,8 +60,16 @@ def _sources(with_cuda):
         "csrc/balance/*.cpp",
         "csrc/transport/shm/*.cpp",
     ]
+    # What the backend does only with CUDA is behind csrc/backend/device.h: cuda/ defines it in
+    # builds with CUDA, cpu_only/ in the others.
     if with_cuda:
-        patterns += ["csrc/transport/cuda_ipc/*.cpp", "csrc/transport/cuda_ipc/*.cu"]
+        patterns += [
+            "csrc/backend/cuda/*.cpp",
+            "csrc/transport/cuda_ipc/*.cpp",
+            "csrc/transport/cuda_ipc/*.cu",
+        ]
+    else:
+        patterns += ["csrc/backend/cpu_only/*.cpp"]
     found = []
     for pattern in patterns:
         found += sorted(glob.glob(os.path.join(ROOT, pattern)))
@@ -84,7 +92,7 @@ def _extension():
     with_cuda = _with_cuda()
     # torch's headers as system headers (-isystem after BuildExtension's -I: GCC then drops the
     # -I), so that their warnings stay theirs: torch 2.11's c10/cuda/CUDAEvent.h, included by
-    # the CUDA build of odc_backend.cpp, trips g++ 12's -Winterference-size.
+    # the CUDA build of backend/cuda/device_cuda.cpp, trips g++ 12's -Winterference-size.
     torch_headers = [f"-isystem{path}" for path in include_paths()]
     cxx = ["-O2", CXX_STD, "-Wall", "-Wno-unused-parameter", *torch_headers]
     nvcc = ["-O3", CXX_STD, *CUDA_ARCH]

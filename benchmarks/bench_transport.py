@@ -144,11 +144,9 @@ class Odc:
 
     def __init__(self, sizes: list[int], world: int, device: torch.device):
         import torch_odc
-        from torch_odc import _C
 
-        self._C, self.world, self.device = _C, world, device
+        self.world, self.device = world, device
         self.backend = torch_odc.odc_backend()
-        self.direct = hasattr(self.backend, "_keyed_all_gather")
         self.gather_numel = [s // GATHER_DTYPE.itemsize for s in sizes]
         self.accum_numel = [s // REDUCE_DTYPE.itemsize for s in sizes]
         self.published: set[int] = set()
@@ -158,38 +156,18 @@ class Odc:
         ]
         self.backend._connect_engine(keys, device_index=device.index)
 
+    # The keyed calls as attach's comm objects make them (one call into the backend each).
     def gather(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self.direct:  # as attach's comm objects call it
-            self.backend._keyed_all_gather(k, out, inp)
-        else:  # a tree from before the direct calls (ODC_BASELINE)
-            self._C._set_keyed_call(k)
-            try:
-                dist.all_gather_into_tensor(out, inp)
-            finally:
-                self._C._set_keyed_call(-1)
+        self.backend._keyed_all_gather(k, out, inp)
         self.published.add(k)
 
     def publish(self, k: int, inp: torch.Tensor) -> None:
         """Publishes key k's shard without gathering (the eager publish of attach)."""
-        if self.direct:
-            self.backend._publish_shards([k], [[inp]])
-        else:
-            self._C._set_keyed_call(k, True)
-            try:
-                dist.all_gather_into_tensor(inp.new_empty(self.world * inp.numel()), inp)
-            finally:
-                self._C._set_keyed_call(-1)
+        self.backend._publish_shards([k], [[inp]])
         self.published.add(k)
 
     def push(self, k: int, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self.direct:
-            self.backend._keyed_reduce_scatter(k, out, inp, dist.ReduceOp.SUM)
-            return
-        self._C._set_keyed_call(k)
-        try:
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM)
-        finally:
-            self._C._set_keyed_call(-1)
+        self.backend._keyed_reduce_scatter(k, out, inp, dist.ReduceOp.SUM)
 
     def arrive(self) -> None:
         """First half of the minibatch barrier: publish what is left, wait for every rank."""

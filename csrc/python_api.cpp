@@ -1,6 +1,6 @@
 // The one pybind11 binding layer of torch-odc. Every C++ symbol Python sees is bound here: one
 // function per area (backend, engine lifecycle, keyed collectives, barrier, stats, transport,
-// keyed calls, balance), called in that order from PYBIND11_MODULE at the end.
+// KeyCalls, balance), called in that order from PYBIND11_MODULE at the end.
 #include <pybind11/chrono.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "backend/device.h"
 #include "backend/key_grads.h"
 #include "backend/odc_backend.h"
 #include "balance/planner.h"
@@ -40,22 +41,6 @@ torch_odc::DType dtypeFromName(const std::string& name) {
   if (name == "float16") return torch_odc::DType::kFloat16;
   if (name == "float64") return torch_odc::DType::kFloat64;
   throw std::invalid_argument("odc: unsupported dtype " + name);
-}
-
-at::ScalarType scalarType(torch_odc::DType t) {
-  switch (t) {
-    case torch_odc::DType::kFloat32:
-      return at::kFloat;
-    case torch_odc::DType::kBFloat16:
-      return at::kBFloat16;
-    case torch_odc::DType::kFloat16:
-      return at::kHalf;
-    case torch_odc::DType::kFloat64:
-      return at::kDouble;
-    case torch_odc::DType::kByte:
-      return at::kByte;
-  }
-  return at::kByte;
 }
 
 py::dict statsDict(const torch_odc::EngineStats& s) {
@@ -229,7 +214,7 @@ void bindBarrier(BackendClass& cls) {
              const auto held = self.engine("accumulator");
              auto& e = *held;
              const auto& spec = e.layout().key(key);
-             auto options = torch::TensorOptions().dtype(scalarType(spec.accum_dtype));
+             auto options = torch::TensorOptions().dtype(torch_odc::toScalarType(spec.accum_dtype));
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
@@ -261,7 +246,7 @@ void bindBarrier(BackendClass& cls) {
              const size_t last = layout.numKeys() - 1;
              const size_t bytes = layout.offsets(last).accum + layout.key(last).accumBytes() -
                                   layout.offsets(0).accum;
-             auto options = torch::TensorOptions().dtype(scalarType(dtype));
+             auto options = torch::TensorOptions().dtype(torch_odc::toScalarType(dtype));
              if (const int dev = e.transport().deviceIndex(); dev >= 0) {
                options = options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(dev));
              }
@@ -348,29 +333,11 @@ void bindEngineStats(BackendClass& cls) {
 
 // Which transports this build holds.
 void bindTransport(py::module_& m) {
-  m.def("_has_cuda_transport", [] {
-#ifdef ODC_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
+  m.def("_has_cuda_transport", &torch_odc::device::hasCudaTransport);
 }
 
-// The thread's keyed-call mark and KeyCalls, the gradient notes and common push of one key.
+// KeyCalls: the gradient notes and common push of one key.
 void bindKeyCalls(py::module_& m) {
-  m.def(
-      "_set_keyed_call",
-      [](int key, bool publish_only, std::vector<uint32_t> params, double scale) {
-        torch_odc::currentKeyedCall() =
-            torch_odc::KeyedCall{key, publish_only, std::move(params), scale};
-      },
-      py::arg("key"), py::arg("publish_only") = false, py::arg("params") = std::vector<uint32_t>{},
-      py::arg("scale") = 1.0,
-      "Marks this thread's next collectives as keyed calls of `key` (-1: ordinary). For a "
-      "reduce-scatter: the parameters its input covers, in order (empty: every trainable one) "
-      "and a factor applied on top of the reduce op's (FSDP2's post-division).");
-
   py::class_<KeyCalls>(m, "KeyCalls",
                        "One key's gradient notes (C++ hooks on its unsharded parameters' "
                        "gradient accumulators), its placeholders, and its common push.")

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 import torch_odc
-from torch_odc import _C
 
 faulthandler.enable()
 r = int(os.environ["LOCAL_RANK"])
@@ -29,18 +28,14 @@ b._connect_engine([("k0", N, "bfloat16", [N], "float32")], torch.cuda.current_de
 print(r, "connected", flush=True)
 inp = torch.full((N,), float(r + 1), device="cuda", dtype=torch.bfloat16)
 out = torch.empty(2 * N, device="cuda", dtype=torch.bfloat16)
-_C._set_keyed_call(0)
-dist.all_gather_into_tensor(out, inp)
-_C._set_keyed_call(-1)
+b._keyed_all_gather(0, out, inp)  # as attach's comm objects call it
 torch.cuda.synchronize()
 print(r, "gather", out[::N].tolist(), flush=True)
 assert out[::N].tolist() == [1.0, 2.0]
 g = torch.ones(2 * N, device="cuda")
 o = torch.empty(N, device="cuda")
 for grad in (g, g.to(torch.bfloat16)):
-    _C._set_keyed_call(0)
-    dist.reduce_scatter_tensor(o.to(grad.dtype), grad)
-    _C._set_keyed_call(-1)
+    b._keyed_reduce_scatter(0, o.to(grad.dtype), grad, dist.ReduceOp.SUM)
 torch.cuda.synchronize()
 b._arrive()
 acc = b._accumulator(0)[:N]

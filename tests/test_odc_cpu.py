@@ -276,7 +276,6 @@ def test_waiting_for_an_unpublished_shard_times_out_with_key_peer_and_minibatch(
 
 def _wrong_calls(rank, world):
     import torch_odc
-    from torch_odc import _C
 
     model = sharded_model(world)
     handle = torch_odc.attach(model)
@@ -290,14 +289,11 @@ def _wrong_calls(rank, world):
         ),
     }
     for name, (out, inp) in cases.items():
-        _C._set_keyed_call(0)
-        try:
-            dist.all_gather_into_tensor(out, inp)
+        try:  # the keyed all-gather as the comm objects call it
+            handle._backend._keyed_all_gather(0, out, inp)
             errors[name] = "no error"
         except RuntimeError as err:
             errors[name] = str(err)
-        finally:
-            _C._set_keyed_call(-1)
     # Ordinary collectives keep working next to the attached model.
     t = torch.ones(3)
     dist.all_reduce(t)

@@ -121,9 +121,6 @@ class KeyCalls:
         not apply."""
 
 def _has_cuda_transport() -> bool: ...
-def _set_keyed_call(
-    key: int, publish_only: bool = False, params: Sequence[int] = ..., scale: float = 1.0
-) -> None: ...
 def _plan_balance(
     lengths: Buffer, costs: Buffer, world_size: int, max_tokens_per_microbatch: int, micro: bool
 ) -> tuple[list[list[list[int]]], list[float], float, float, list[int]]:

@@ -1,9 +1,11 @@
 """torch_odc.attach(): serves every FSDP2 module of a model on demand through the odc backend.
 
 attach() installs, through FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
-hooks, comm objects that tag each call with the module's key and then call the ordinary
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``; the odc backend sees the key and serves the
-call from the engine (csrc/engine) instead of a collective.
+hooks, comm objects that FSDP2 calls as it would call ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``; each serves the call from the engine (csrc/engine) instead of a
+collective, by one call into the odc backend keyed by the module's index
+(``OdcBackend._keyed_all_gather`` / ``_keyed_reduce_scatter``, or ``KeyCalls.push_all`` for the
+common push). Every c10d collective on the group, FSDP2's own included, stays a collective.
 
 Where the rest lives: _keys.py (one module's state over a minibatch), _comms.py (the comm
 objects), _handle.py (Handle, the barrier, stats, detach), _placeholder.py (``.grad`` before the

@@ -4,6 +4,11 @@
 // the tensors: Gloo for CPU tensors, NCCL for CUDA tensors. The inner backends are created in
 // Python (the torch wheel ships no Gloo headers) on their own PrefixStores; the NCCL one lazily,
 // on the first CUDA collective, through a factory, so CPU-only programs never touch CUDA.
+//
+// Where it lives: odc_backend.cpp (c10d: routing, forwarding, coalescing, lifetime),
+// keyed_calls.cpp (the engine's lifecycle and the keyed gathers and pushes), shard_cache.cpp
+// (publishing shards, the parameters that live in the shard caches), barrier.cpp (the minibatch
+// barrier and gradient memory); what differs with CUDA is behind device.h.
 #pragma once
 
 #include <atomic>
@@ -114,23 +119,25 @@ class OdcBackend : public c10d::Backend {
   // The connected engine; raises naming `op` if none. A caller keeps it alive for its call, so
   // an abort() or detach from another thread never frees an engine in use.
   std::shared_ptr<Engine> engine(const char* op);
-  // Keyed calls made directly by torch_odc's FSDP2 comm objects (no c10d dispatch, no
-  // thread-local key): the same operations as the keyed paths of _allgather_base /
-  // _reduce_scatter_base, on the caller's current stream. With async_op false they return null,
+  // The keyed calls (keyed_calls.cpp): the one way into the engine's gather and push, made by
+  // torch_odc's FSDP2 comm objects directly (no c10d dispatch: every c10d collective of this
+  // backend is forwarded), on the caller's current stream. With async_op false they return null,
   // as c10d's all_gather_into_tensor / reduce_scatter_tensor do after waiting (the op is ordered
   // on the stream; FSDP2 orders its streams by events); with async_op true a Work whose wait()
-  // makes the current stream wait for it.
+  // makes the current stream wait for it. `params`: the parameters the push's input covers, in
+  // order (empty: every trainable one, through the runs merged at connect); `scale`: a factor on
+  // top of the reduce op's (FSDP2's post-division).
   c10::intrusive_ptr<c10d::Work> keyedAllgatherCall(int key, at::Tensor& output, at::Tensor& input,
                                                     bool async_op);
   c10::intrusive_ptr<c10d::Work> keyedReduceScatterCall(int key, at::Tensor& output,
                                                         at::Tensor& input, const c10d::ReduceOp& op,
                                                         const std::vector<uint32_t>& params,
                                                         double scale, bool async_op);
-  // Publishes every key of `keys` this rank has not published in this minibatch, by copying
-  // `sources[i]` (the all-gather input of keys[i], as tensors laid back to back: FSDP2's padded
-  // sharded parameters, cast to the key's gather dtype by the copy) into its shard cache, all
-  // keys in one multi-tensor copy on the current stream, then releasing their flags. Returns the
-  // keys it published.
+  // Shard adoption (shard_cache.cpp). Publishes every key of `keys` this rank has not published in
+  // this minibatch, by copying `sources[i]` (the all-gather input of keys[i], as tensors laid back
+  // to back: FSDP2's padded sharded parameters, cast to the key's gather dtype by the copy) into
+  // its shard cache, all keys in one multi-tensor copy on the current stream, then releasing their
+  // flags. Returns the keys it published.
   //
   // A key whose cache dtype is its sources' dtype (KeySpec::cache_dtype) takes its sharded
   // parameters in: a source whose storage is its own (FSDP2's padded flat shard of one
@@ -148,7 +155,8 @@ class OdcBackend : public c10d::Backend {
   void evictShards();
   // Bytes of the shard caches that are parameters living there (not a second copy).
   size_t adoptedBytes();
-  // The two phases of the minibatch barrier (engine arrive / release), errors as c10::Error.
+  // The barrier and gradient memory (barrier.cpp). The two phases of the minibatch barrier
+  // (engine arrive / release), errors as c10::Error.
   void barrierArrive();
   void barrierRelease(bool zero);
   // Gradient memory (engine.h): collective, errors as c10::Error.
@@ -171,8 +179,7 @@ class OdcBackend : public c10d::Backend {
   // shutdown() and abort(): closes the inner backends the same way and releases them.
   void close(bool abort);
   // The keyed operations themselves (on the current stream; no Work).
-  void keyedAllgather(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
-                      bool publish_only);
+  void keyedAllgather(Engine& eng, int key, at::Tensor& output, at::Tensor& input);
   void keyedReduceScatter(Engine& eng, int key, at::Tensor& output, at::Tensor& input,
                           const c10d::ReduceOp& op, const std::vector<uint32_t>& params,
                           double extra_scale);
@@ -247,16 +254,8 @@ class OdcBackend : public c10d::Backend {
   friend class HostTimer;
 };
 
-// The key of the keyed call this thread is making (set by torch_odc's FSDP2 comm hooks around
-// one all-gather or reduce-scatter), or -1 for an ordinary collective.
-struct KeyedCall {
-  int key = -1;
-  bool publish_only = false;     // barrier-driven publish: fill the shard cache, read nothing
-  std::vector<uint32_t> params;  // reduce-scatter: the parameters the input covers (empty: all)
-  double scale = 1.0;            // reduce-scatter: applied on top of the reduce op's factor
-};
-KeyedCall& currentKeyedCall();
-
+// The engine's dtype of a tensor's scalar type (raises for one ODC does not serve), and back.
 DType toOdcDtype(at::ScalarType t);
+at::ScalarType toScalarType(DType t);
 
 }  // namespace torch_odc

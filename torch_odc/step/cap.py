@@ -40,12 +40,16 @@ class AutoCap:
     unmodified trainer, whose fixed part differs from ODC's (2 H200, 1B: the effective slope
     between ODC's and plain TRL's peaks was 10 % below the fit on DPO, 23 % above it on SFT).
 
+    A microbatch that leaves memory allocated behind it (the first backward's gradients on one
+    rank) is no point (:meth:`point`): later microbatches start with that memory.
+
     The measuring step resets the allocator's peak statistics at each of its microbatches
     (``torch.cuda.reset_peak_memory_stats``): a peak from before the first step is not kept."""
 
     MAX_POINTS = 32  # microbatches per rank the first step measures
     MIN_SPREAD = 1.25  # largest / smallest tokens for a slope
     ALLOWANCE = 0.15  # of ODC's bytes, for the fit's extrapolation (see above)
+    KEPT_FRACTION = 0.1  # of its peak growth a microbatch may leave allocated and be a point
 
     def __init__(self):
         self.bytes_per_token: float | None = None
@@ -96,8 +100,24 @@ class AutoCap:
         tokens, before = self._start
         self._start = None
         peak = float(torch.cuda.max_memory_allocated() - before)
-        if tokens > 0 and peak > 0 and len(self._points) < self.MAX_POINTS:
-            self._points.append((tokens, max(self._forward, 0.0), peak))
+        kept = float(torch.cuda.memory_allocated() - before)
+        point = self.point(tokens, self._forward, peak, kept)
+        if point is not None and len(self._points) < self.MAX_POINTS:
+            self._points.append(point)
+
+    @classmethod
+    def point(cls, tokens: int, forward: float, peak: float, kept: float):
+        """A measured microbatch's point (tokens, forward-kept bytes, peak growth), or None.
+
+        None also when the microbatch left more than ``KEPT_FRACTION`` of its peak growth
+        allocated after its backward (``kept``): a one-time allocation that every later
+        microbatch starts with, such as the gradients FSDP2 creates at the first backward on one
+        rank (no reduce-scatter frees them). Counted in that point's peak, it would lie that far
+        above the line and be held free as margin: 2.85 GB on one H200 (TRL GRPO, 1B), which
+        left a cap of one token and one rollout per microbatch (5x slower than TRL itself)."""
+        if tokens <= 0 or peak <= 0 or kept > cls.KEPT_FRACTION * peak:
+            return None
+        return (tokens, max(forward, 0.0), peak)
 
     def finish_step(self, handle) -> None:
         """After the first measured step's barrier (every rank): share the points, fit the

@@ -1,4 +1,4 @@
-"""The derived microbatch cap's fit (torch_odc.integrations.hf._steps.fit_bytes_per_token): the
+"""The derived microbatch cap's fit (torch_odc.step.fit_bytes_per_token): the
 marginal peak bytes per token from a step's microbatches, as every rank computes it from the
 shared points, and the packing of a rank's rows under the cap (pack_padded). The measurement
 itself runs in the GPU cases of test_integrations_hf.py."""
@@ -9,9 +9,7 @@ import random
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from torch_odc.integrations.hf._steps import (
+from torch_odc.step import (
     fit_bytes_per_token,
     left_padded_widths,
     pack_padded,

@@ -564,18 +564,20 @@ def test_lbmini_costs_a_pair_as_its_two_sequences():
     pair's attention cost."""
     from torch_odc import balance
     from torch_odc.integrations.hf import ODCConfig
-    from torch_odc.integrations.hf._core import _LBMini, _row_costs
+    from torch_odc.step import LBMini, row_costs
 
     config = ODCConfig(max_tokens_per_microbatch=CAP, cost="flops", cost_args=FLOPS)
     rows = [(30, 12), (9, 40), (25, 25), (3, 4), (50, 8), (7, 7)]
-    costs = _row_costs(rows, config)
+    costs = row_costs(rows, config.cost, config.cost_args)
     assert costs == [
         pytest.approx(balance.flops_cost(a, **FLOPS) + balance.flops_cost(b, **FLOPS))
         for a, b in rows
     ]
     assert costs[0] < balance.flops_cost(42, **FLOPS)
-    assert _row_costs([(5,), (7,)], config) is None  # one sequence a row: LB-Mini costs it
-    plan = _LBMini(config)([sum(r) for r in rows], WORLD, 0, costs=costs)
+    assert (
+        row_costs([(5,), (7,)], config.cost, config.cost_args) is None
+    )  # one sequence a row: LB-Mini costs it
+    plan = LBMini.from_config(config)([sum(r) for r in rows], WORLD, 0, costs=costs)
     assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(rows)))
     for rank in plan:
         for mb in rank:

@@ -757,7 +757,7 @@ def test_left_padded_widths_avoid_the_cudnn_nan_lengths(multiple):
     """GRPO's microbatch widths: each a multiple of ``multiple`` covering its longest prompt and
     completion; on CUDA never 64 modulo 128 in all (pytorch/pytorch#196678), at fewer than 128
     extra columns; off CUDA exactly the rounded widths."""
-    from torch_odc.integrations.hf._steps import left_padded_widths, round_up
+    from torch_odc.step import left_padded_widths, round_up
 
     moved = 0
     for prompt in range(1, 300, 7):
@@ -777,7 +777,7 @@ def test_left_padded_widths_round_the_length_with_prompt_columns(multiple):
     """ODC's length multiple (128 on CUDA by default): the completion keeps TRL's rounded width
     (the logits of the completion cost per column), left padding makes up the length, by
     fewer columns than the least common multiple."""
-    from torch_odc.integrations.hf._steps import left_padded_widths, round_up
+    from torch_odc.step import left_padded_widths, round_up
 
     step = math.lcm(multiple, 128)
     for prompt in range(1, 300, 7):

@@ -346,7 +346,7 @@ def check_frontier(steps, dpo: bool):
     """The derived cap with images: the unmodified trainer's microbatches so far (PER_DEVICE
     consecutive rows: their padded tokens and patches) as a frontier, and every ODC
     microbatch within one of its points."""
-    from torch_odc.integrations.hf._steps import frontier
+    from torch_odc.step import frontier
 
     if dpo:  # (sequences' lengths, patches)
         rows = [expected_pair(r) for r in V.pairs(ALL_IMAGES)]
@@ -473,20 +473,23 @@ def _check_mixed(out, kind: str, rtol: float = GRAD_RTOL, atol: float = GRAD_ATO
 
 def test_a_rows_patches_count_in_its_cost():
     from torch_odc.integrations.hf import ODCConfig
-    from torch_odc.integrations.hf._steps import _row_costs
+    from torch_odc.step import row_costs
 
     # tokens: a patch costs as a token; flops: each image as a sequence of its patches.
-    assert _row_costs([(10,), (10,)], ODCConfig(), [(16, 4), ()]) == [30.0, 10.0]
-    assert _row_costs([(10,), (10,)], ODCConfig()) is None  # LB-Mini costs the lengths
+    c = ODCConfig()
+    assert row_costs([(10,), (10,)], c.cost, c.cost_args, [(16, 4), ()]) == [30.0, 10.0]
+    assert row_costs([(10,), (10,)], c.cost, c.cost_args) is None  # LB-Mini costs the lengths
     flops = ODCConfig(cost="flops")
     from torch_odc import balance
 
     one = balance.sequence_costs([10, 16, 4], "flops")
-    assert _row_costs([(10,)], flops, [(16, 4)]) == [pytest.approx(math.fsum(one))]
+    assert row_costs([(10,)], flops.cost, flops.cost_args, [(16, 4)]) == [
+        pytest.approx(math.fsum(one))
+    ]
 
 
 def test_the_derived_cap_with_images_is_a_frontier():
-    from torch_odc.integrations.hf._steps import fits, frontier, pack_padded
+    from torch_odc.step import fits, frontier, pack_padded
 
     assert frontier([(10, 5), (8, 9), (10, 3), (7, 2), (12, 0)]) == [(8, 9), (10, 5), (12, 0)]
     cap = [(8, 9), (10, 5)]

@@ -68,7 +68,7 @@ def _rank_step(rank, world):
     # 2. the plan: LB-Mini over the step's rows, checked
     plan = core.plan_step(step.lengths, world, core.LBMini(CAP), costs=step.costs())
     # 3. the rows move to the ranks the plan names, kept in place where it allows
-    moved = core.exchange_rows(rows, plan, step.counts, keep_in_place=True)
+    moved = step.exchange(rows, plan, keep_in_place=True)
     mine = moved.rows
     # 4. this rank's rows repacked under a padded-token cap: each microbatch rows x its longest
     own = mine["length"].tolist()

@@ -36,12 +36,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "docs", "examples"))
 from trl_grpo import build_prompts
 
 from torch_odc.integrations.hf import ODCGRPOConfig
-from torch_odc.integrations.hf._steps import (
-    _LBMini,
-    left_padded_widths,
-    pack_padded,
-)
 from torch_odc.integrations.hf.grpo import ODCGRPOTrainerMixin
+from torch_odc.step import LBMini, left_padded_widths, pack_padded
 
 MULTIPLE = ODCGRPOTrainerMixin.AUTO_MULTIPLE  # ODC's GRPO length multiple on CUDA
 
@@ -158,7 +154,7 @@ def main(argv=None) -> None:
     groups = per_step // args.num_generations
     prompts = build_prompts(groups * len(caps), 32000, 64, 2048)
     rng = random.Random(f"grpo_plan_floor:{args.seed}")
-    lbmini = _LBMini(ODCGRPOConfig())
+    lbmini = LBMini.from_config(ODCGRPOConfig())
     floors = [float(f) for f in args.floors.split(",")]
     steps = []
     for s, cap in enumerate(caps):

@@ -31,6 +31,7 @@ from .microbatch import Microbatch
 from .padding import (
     fits,
     frontier,
+    left_padded_tokens,
     left_padded_widths,
     pack_padded,
     pack_shares,
@@ -60,6 +61,7 @@ __all__ = [
     "gather_objects",
     "gather_rows",
     "keep_in_place",
+    "left_padded_tokens",
     "left_padded_widths",
     "pack_padded",
     "pack_shares",

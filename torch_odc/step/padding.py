@@ -19,6 +19,7 @@ __all__ = [
     "CUDNN_NAN_REMAINDER",
     "fits",
     "frontier",
+    "left_padded_tokens",
     "left_padded_widths",
     "pack_padded",
     "pack_shares",
@@ -73,6 +74,23 @@ def left_padded_widths(
     while cuda and (pw + cw) % CUDNN_NAN_MODULUS == CUDNN_NAN_REMAINDER:
         cw += multiple  # a multiple of 128 never lands here; 64 and any other leave at once
     return pw, cw
+
+
+def left_padded_tokens(
+    shapes: Sequence[tuple[int, int]],
+    multiple: int = 1,
+    cuda: bool = False,
+    length_multiple: int = 1,
+) -> int:
+    """The tokens of one left-padded microbatch of rows of ``shapes`` (prompt length,
+    completion length each) once laid out by :func:`left_padded_widths`: every row as wide as
+    the longest prompt plus the longest completion, rounded."""
+    if not shapes:
+        return 0
+    pw, cw = left_padded_widths(
+        max(p for p, _ in shapes), max(c for _, c in shapes), multiple, cuda, length_multiple
+    )
+    return len(shapes) * (pw + cw)
 
 
 def plain_largest_microbatch(

@@ -62,14 +62,16 @@ def row_costs(
     cost: Any = "tokens",
     cost_args: dict | None = None,
     images: Sequence[Sequence[int]] | None = None,
+    *,
+    every_row: bool = False,
 ) -> list[float] | None:
     """Per row (each a tuple of its sequences' lengths), the sum of its sequences' modeled
     costs and, for a row with images (``images[k]``: the vision patches of each of row k's
     images), of its images' costs: each image costs as a sequence of its patches under the same
     model (a vision tower attends within an image; under ``"tokens"`` a patch costs as a
     token). None when every row is one sequence without images (LB-Mini then costs the lengths
-    itself, the same values)."""
-    if all(len(r) == 1 for r in rows) and not (images and any(images)):
+    itself, the same values), unless ``every_row``."""
+    if not every_row and all(len(r) == 1 for r in rows) and not (images and any(images)):
         return None
     parts = [(*r, *(images[k] if images else ())) for k, r in enumerate(rows)]
     flat = [n for r in parts for n in r]
@@ -125,6 +127,7 @@ def plan_step(
     costs: Sequence[float] | None = None,
     cap: int | None = None,
     oversized: str = "alone",
+    cap_note: str = "",
     where: str = "torch_odc.step",
 ) -> list:
     """The step's plan, checked (:func:`check_plan`): per rank its microbatches as lists of
@@ -133,7 +136,8 @@ def plan_step(
     ``planner`` is an :class:`LBMini` (given ``costs`` and ``cap`` when not None) or any
     :data:`Planner` (given ``cap`` only when not None). Without one, ``LBMini(cap)``.
     ``oversized``: ``"alone"`` (LB-Mini's rule: a row longer than the cap runs in a microbatch
-    of its own) or ``"raise"`` (refused here, naming the row's length and the cap)."""
+    of its own) or ``"raise"`` (refused here, naming the row's length and the cap, and
+    ``cap_note``: where the cap comes from)."""
     if oversized not in ("alone", "raise"):
         raise ValueError(f"{where}: oversized must be 'alone' or 'raise', got {oversized!r}")
     if planner is None:
@@ -143,7 +147,7 @@ def plan_step(
         if limit is not None and lengths and max(lengths) > limit:
             raise ValueError(
                 f"{where}: a sequence of {max(lengths)} tokens is longer than the cap of "
-                f"{limit} tokens"
+                f"{limit} tokens{f' ({cap_note})' if cap_note else ''}"
             )
     kwargs: dict = {}
     if costs is not None and isinstance(planner, LBMini):

@@ -52,6 +52,7 @@ class StepRows:
             or for every row of a rank that gave none), or None when no rank gave any.
         extras: per rank, the ``extra`` it passed.
         rank: this rank in the group.
+        group: the process group (None: the default group).
     """
 
     lengths: list[int]
@@ -60,6 +61,7 @@ class StepRows:
     images: list[tuple[int, ...]] | None
     extras: list
     rank: int
+    group: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -69,10 +71,37 @@ class StepRows:
         """The global number of ``rank``'s first row."""
         return sum(self.counts[:rank])
 
-    def costs(self, cost: Any = "tokens", cost_args: dict | None = None) -> list[float] | None:
+    def costs(
+        self, cost: Any = "tokens", cost_args: dict | None = None, *, every_row: bool = False
+    ) -> list[float] | None:
         """Per row its modeled cost (:func:`row_costs`: its sequences' and its images'), or None
-        when every row is one sequence without images (a planner costs the lengths itself)."""
-        return row_costs(self.sequences, cost, cost_args, self.images)
+        when every row is one sequence without images (a planner costs the lengths itself),
+        unless ``every_row``."""
+        return row_costs(self.sequences, cost, cost_args, self.images, every_row=every_row)
+
+    def exchange(
+        self,
+        rows,
+        plan,
+        *,
+        keep_in_place: bool = False,
+        take=None,
+        join=None,
+        where: str = "torch_odc.step",
+    ) -> RowExchange:
+        """This rank's ``rows`` (its ``counts[rank]`` rows of the step) moved to the ranks
+        ``plan`` names (a plan over :attr:`lengths`): :func:`exchange_rows` over the step's
+        counts and group, every rank calling it with the same plan."""
+        return exchange_rows(
+            rows,
+            plan,
+            self.counts,
+            group=self.group,
+            keep_in_place=keep_in_place,
+            take=take,
+            join=join,
+            where=where,
+        )
 
 
 def gather_rows(
@@ -123,4 +152,5 @@ def gather_rows(
         all_images,
         [part[3] for part in everyone],
         rank,
+        group,
     )

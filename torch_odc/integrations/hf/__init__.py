@@ -10,9 +10,10 @@ step, any number of microbatches per rank (zero included), one barrier per step.
     # odc=ODCConfig(...) changes a default: the cap, the cost model, the planner
     trainer.train()
 
-Layout: :mod:`._core` is trainer-agnostic (step planning, barrier placement, metric reduction,
-attach/detach, the CPU-rank sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.grpo`,
-:mod:`.dpo`). :func:`odc_trainer` picks the adapter from the trainer class. :mod:`._compat` lists every name of
+Layout: the step core (:mod:`torch_odc.step`) holds what is no trainer's (rows, plan, row
+exchange, padded-token arithmetic, derived cap, metric reduction); :mod:`._core` is the
+Trainer's side of it (the step loader, barrier placement, attach/detach, the CPU-rank
+sharding); one thin adapter per trainer (:mod:`.sft`, :mod:`.grpo`, :mod:`.dpo`). :func:`odc_trainer` picks the adapter from the trainer class. :mod:`._compat` lists every name of
 transformers, accelerate and TRL the adapters use beyond the public API (the compatibility
 manifest, checked at construction).
 """
@@ -60,7 +61,8 @@ def peak_memory_gib(trainer) -> list:
     ``torch.cuda.max_memory_allocated()`` does not count; 0 for an unmodified trainer), at the
     phase where their sum was largest. The figure to compare ODC with the trainer it replaces."""
     import torch
-    import torch.distributed as dist
+
+    from torch_odc import step as core
 
     peak = None
     if torch.cuda.is_available():
@@ -74,9 +76,7 @@ def peak_memory_gib(trainer) -> list:
             )
             / 2**30
         )
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
+    return core.gather_objects(peak)
 
 
 def odc_trainer(trainer_class: type) -> type:

@@ -1,6 +1,7 @@
 """ODC inside the Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` (this module: set-up, data and
-the step; ``_config`` the configuration, ``_steps`` the step planning and the derived cap,
-``_checkpoints`` the Trainer's checkpoints): LB-Mini plans per optimizer
+the step; ``_config`` the configuration, ``_steps`` the step loader, ``_checkpoints`` the
+Trainer's checkpoints; the plan, the padded-token arithmetic, the derived cap and the metric
+reduction are the step core's, :mod:`torch_odc.step`): LB-Mini plans per optimizer
 step, any number of microbatches per rank (zero included), one barrier per step.
 
     import torch_odc
@@ -17,7 +18,7 @@ What the returned subclass changes in the Trainer (docs/integrations/trl.md has 
 * **One optimizer step = one item of the training dataloader**: the step's sequences are the
   next ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` of the epoch's
   order (the Trainer's global batch; shuffled from ``data_seed``/``seed`` and the epoch, the same
-  on every rank). LB-Mini (:func:`torch_odc.balance.plan`) splits them over ranks by their lengths
+  on every rank). LB-Mini (:func:`torch_odc.step.plan_step`) splits them over ranks by their lengths
   and packs each rank's share into microbatches of at most ``max_tokens_per_microbatch`` tokens,
   which the trainer's own collator collates. The Trainer's loop then runs with
   ``gradient_accumulation_steps = 1`` on a copy of ``args``.
@@ -50,29 +51,14 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
 import torch_odc
+from torch_odc import step as core
 
 from . import _compat
 from ._checkpoints import ODCCheckpointMixin, _AcceleratorWithPlugin
 from ._config import ODCConfig, Planner  # noqa: F401  (re-exported)
-from ._steps import (  # noqa: F401  (re-exported for the adapters)
-    ODCStep,
-    _AutoCap,
-    _checked_plan,
-    _LBMini,
-    _only,
-    _row_costs,
-    _sequence_lengths,
-    _StepData,
-    _StepKeys,
-    _StepLoader,
-    pack_padded,
-    padded_tokens,
-    round_up,
-    row_shape,
-)
+from ._steps import ODCStep, _only, _sequence_lengths, _StepData, _StepKeys, _StepLoader
 
 __all__ = ["ODCConfig", "ODCStep", "ODCTrainerMixin"]
 
@@ -166,7 +152,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         args, kwargs = _load_models_whole(type(self), args, kwargs)
         super().__init__(*args, **kwargs)
         self.odc = odc
-        self._odc_autocap = _AutoCap()
+        self._odc_autocap = core.AutoCap()
         self._odc_check_args()
         # The step's sequences: the Trainer's global batch (its "total train batch size").
         self._odc_sequences_per_step = (
@@ -444,11 +430,15 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             self._odc_sequences_per_step,
             args.world_size,
             args.process_index,
-            self.odc.planner or _LBMini(self.odc),
+            self.odc.planner or core.LBMini.from_config(self.odc),
             shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed,
             drop_last=args.dataloader_drop_last,
-            costs=_row_costs(rows, self.odc, images) if self.odc.planner is None else None,
+            costs=(
+                core.row_costs(rows, self.odc.cost, self.odc.cost_args, images)
+                if self.odc.planner is None
+                else None
+            ),
             **(
                 {
                     "rows": rows,
@@ -582,15 +572,6 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             if self._odc_handle is not None:
                 torch_odc._attach.pre_forward_without_call(self._odc_handle, head)
 
-    @staticmethod
-    def _odc_all_reduce(values: list[float]) -> list[float]:
-        """One all-reduce of a small CPU float64 vector: under "odc" it runs on Gloo, also for
-        ranks that share one GPU."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t)
-        return t.tolist()
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not isinstance(inputs, ODCStep):
             raise TypeError(
@@ -620,7 +601,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         # the first forward (every rank calls this once per step, also with no microbatch).
         local = self._odc_step_totals(step)
         self._odc_totals = (
-            dict(zip(local, self._odc_all_reduce(list(local.values())), strict=True))
+            dict(zip(local, core.all_reduce_sums(list(local.values())), strict=True))
             if local
             else {}
         )
@@ -659,7 +640,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         if keys:
             self._odc_record_metrics(
                 dict(
-                    zip(keys, self._odc_all_reduce([self._odc_sums[k] for k in keys]), strict=True)
+                    zip(keys, core.all_reduce_sums([self._odc_sums[k] for k in keys]), strict=True)
                 )
             )
         lap("metrics")
@@ -715,16 +696,13 @@ class ODCTrainerMixin(ODCCheckpointMixin):
             patches = [sum(im) for im in images]
         else:
             step.cap = cap = self._odc_autocap.cap(step.plain_tokens)
-        per_rank = [
-            pack_padded(
-                a,
-                lambda i: row_shape(rows[i], free),
-                lambda dims: round_up(dims[0], odc) if dims else 1,
-                cap,
-                patches.__getitem__ if patches is not None else None,
-            )
-            for a in step.assigned
-        ]
+        per_rank = core.pack_shares(
+            [[a] for a in step.assigned],
+            lambda i: core.row_shape(rows[i], free),
+            lambda dims: core.round_up(dims[0], odc) if dims else 1,
+            cap,
+            patches.__getitem__ if patches is not None else None,
+        )
         mine = per_rank[self.args.process_index]
         step.microbatches = [step.collate([step.features[i] for i in mb]) for mb in mine]
         step.counts, step.indices = [len(p) for p in per_rank], mine
@@ -738,10 +716,11 @@ class ODCTrainerMixin(ODCCheckpointMixin):
         chunks = [order[i : i + per_device] for i in range(0, len(order), per_device)]
         step.work = {
             "padded_per_rank": [
-                sum(padded_tokens([rows[i] for i in mb], free, odc) for mb in p) for p in per_rank
+                sum(core.padded_tokens([rows[i] for i in mb], free, odc) for mb in p)
+                for p in per_rank
             ],
             "plain_padded_per_rank": [
-                sum(padded_tokens([rows[i] for i in c], free, plain) for c in chunks[r::world])
+                sum(core.padded_tokens([rows[i] for i in c], free, plain) for c in chunks[r::world])
                 for r in range(world)
             ],
         }
@@ -776,7 +755,7 @@ class ODCTrainerMixin(ODCCheckpointMixin):
 
     def _odc_probe(self, model):
         """While the derived cap is still measuring (the first step on GPUs): a forward hook
-        on the model that tells _AutoCap where each microbatch's forward ends."""
+        on the model that tells the derived cap (:class:`torch_odc.step.AutoCap`) where each microbatch's forward ends."""
         if not (self.odc.auto_cap and self._odc_autocap.measuring):
             return None
         return model.register_forward_hook(self._odc_autocap.after_forward)

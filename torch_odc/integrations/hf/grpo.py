@@ -13,14 +13,15 @@ TRL's shuffle and split) and keeps it. At the step's last call the rank:
 1. turns the kept slices into rows (prompt, completion, advantages, old/reference/sampling
    log-probs, tool mask) and notes, per slice, what TRL's loss normalizes by (its rows, its
    loss tokens, the generation batch's token count);
-2. with ``rebalance`` on: one ``all_gather_object`` of every row's length (and the slices'
-   normalizers), the same LB-Mini plan on every rank, and :func:`torch_odc.balance.exchange_rows`
-   moving the rows (all their tensors, one all-to-all of their bytes) to the ranks the plan
-   names; off: packs its own rows;
+2. with ``rebalance`` on, through the step core (:mod:`torch_odc.step`): every row's length
+   and the slices' normalizers gathered (``gather_rows``: one ``all_gather_object``), the same
+   LB-Mini plan on every rank (``plan_step``), and ``StepRows.exchange`` moving the rows (all their
+   tensors, one all-to-all of their bytes) to the ranks the plan names; off: packs its own
+   rows;
 3. runs its microbatches (any number, zero included), padding trimmed per microbatch, through
-   the Trainer's ``training_step``: each is a ``_Microbatch``, TRL's tensors plus per-row
-   weights that reproduce TRL's normalization for the row's own TRL slice (below), which
-   ``compute_loss`` recognizes;
+   the Trainer's ``training_step``: each is a :class:`torch_odc.step.Microbatch`, TRL's tensors
+   plus per-row weights that reproduce TRL's normalization for the row's own TRL slice (below),
+   which ``compute_loss`` recognizes;
 4. calls :func:`torch_odc.minibatch_barrier` (the Trainer clips right after), then reduces the
    metrics TRL gathers in every microbatch (KL, entropy, clip ratios, policy loss) once, per
    TRL microbatch index, and appends them as TRL would have.
@@ -53,16 +54,14 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
 import torch_odc
-from torch_odc import balance
+from torch_odc import step as core
 from torch_odc._clock import _profiling
 
 from . import _compat
 from ._config import ODCConfig
 from ._core import ODCTrainerMixin
-from ._steps import _checked_plan, _LBMini, _row_costs, left_padded_widths, pack_padded
 
 __all__ = ["ODCGRPOConfig", "ODCGRPOTrainerMixin"]
 
@@ -129,17 +128,6 @@ class ODCGRPOConfig(ODCConfig):
     """
 
     rebalance: bool = True
-
-
-class _Microbatch(dict):
-    """One of the adapter's microbatches: TRL's tensors for its rows (the dict the Trainer's
-    ``training_step`` and TRL's loss read) and, beside them, per row: ``weights`` (a, e, p and
-    narrow, see ``_odc_row_weights``) and ``slice``, the row's TRL microbatch."""
-
-    def __init__(self, tensors: dict, weights: dict, slice_index: torch.Tensor):
-        super().__init__(tensors)
-        self.weights = weights
-        self.slice = slice_index
 
 
 # The rows' meta travels beside TRL's tensors under a name no TRL key has.
@@ -256,7 +244,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     # -- TRL's hooks during the adapter's microbatches -----------------------------------------
 
     def _prepare_inputs(self, inputs):
-        if isinstance(inputs, _Microbatch):  # a repacked microbatch: already on the device
+        if isinstance(inputs, core.Microbatch):  # a repacked microbatch: already on the device
             return inputs
         if self.model.training and _compat.read(self, "_is_vlm", False):
             every = self.args.steps_per_generation * self.num_iterations
@@ -268,7 +256,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         return super()._prepare_inputs(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if isinstance(inputs, _Microbatch) and self.model.training:
+        if isinstance(inputs, core.Microbatch) and self.model.training:
             if return_outputs:
                 raise ValueError("The GRPOTrainer does not support returning outputs")
             return self._odc_loss(model, inputs)
@@ -422,10 +410,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
     def _odc_padded(self, shapes) -> int:
         """A microbatch's tokens once laid out as _odc_microbatch does: its longest prompt plus
         its longest completion (as ``_odc_widths`` gives them), per row."""
-        if not shapes:
-            return 0
-        pw, cw = self._odc_widths(max(p for p, _ in shapes), max(c for _, c in shapes))
-        return len(shapes) * (pw + cw)
+        return core.left_padded_tokens(shapes, *self._odc_width_args())
 
     def _odc_gradient_memory_parts(self) -> dict:
         """The engine's host seconds in free / restore since the last call, by part."""
@@ -440,18 +425,22 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         (prompt plus completion, by more left padding) to ``ODCConfig.pad_to_multiple_of``
         (None: ``AUTO_MULTIPLE`` on CUDA, else 1); never 64 modulo 128 on CUDA
         (``left_padded_widths``)."""
+        return core.left_padded_widths(prompt, completion, *self._odc_width_args())
+
+    def _odc_width_args(self) -> tuple[int, bool, int]:
+        """(TRL's pad_to_multiple_of, on CUDA, ODC's length multiple) for the widths."""
         want = self.odc.pad_to_multiple_of
         cuda = self.args.device.type == "cuda"
         if want is None:
             want = self.AUTO_MULTIPLE if cuda else 1
-        return left_padded_widths(prompt, completion, self.pad_to_multiple_of or 1, cuda, want)
+        return self.pad_to_multiple_of or 1, cuda, want
 
     def _odc_plan(self, lengths, shapes, world: int, step: int, plain: int, images=None) -> list:
         """The step's plan (per rank, its microbatches as positions into ``lengths``): the
         user's planner or LB-Mini at the configured cap; with the derived cap, LB-Mini assigns
         the rows to ranks and each rank's rows are packed into microbatches of at most the
         step's cap in padded tokens (``plain``: the largest TRL microbatch of the step)."""
-        planner = self.odc.planner or _LBMini(self.odc)
+        planner = self.odc.planner or core.LBMini.from_config(self.odc)
         if images is not None and self.odc.auto_cap:
             raise ValueError(
                 f"{WHERE}: the derived cap (max_tokens_per_microbatch=None) is not worked out "
@@ -459,34 +448,29 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 "patches as well as its tokens); set ODCConfig.max_tokens_per_microbatch: it "
                 "caps a microbatch's unpadded tokens plus its vision patches"
             )
+        where = f"{WHERE}: step {step}"
         if not self.odc.auto_cap:
+            costs = None
             if images is not None and self.odc.planner is None:
                 # LB-Mini's cost: a row's tokens and each of its images as a sequence of its
                 # patches under the same cost model (as the SFT adapter's rows with images).
-                costs = _row_costs(
+                costs = core.row_costs(
                     [(n - sum(im),) for n, im in zip(lengths, images, strict=True)],
-                    self.odc,
+                    self.odc.cost,
+                    self.odc.cost_args,
                     images,
                 )
-                return _checked_plan(
-                    planner(lengths, world, step, costs=costs), len(lengths), world, step
-                )
-            return _checked_plan(planner(lengths, world, step), len(lengths), world, step)
+            return core.plan_step(lengths, world, planner, step=step, costs=costs, where=where)
         cap = self._odc_autocap.cap(plain)
         self._odc_cap = (cap, plain)
-        plan = _checked_plan(
-            planner(lengths, world, step, cap=max(plain, max(lengths))), len(lengths), world, step
+        # LB-Mini assigns the rows to ranks (at a cap no row exceeds); each rank's share is then
+        # packed under the step's cap in padded tokens.
+        plan = core.plan_step(
+            lengths, world, planner, step=step, cap=max(plain, max(lengths)), where=where
         )
-        plan = [
-            pack_padded(
-                [i for m in p for i in m],
-                lambda i: (1, tuple(shapes[i])),
-                lambda dims: sum(self._odc_widths(*dims)),
-                cap,
-            )
-            for p in plan
-        ]
-        return plan
+        return core.pack_shares(
+            plan, lambda i: (1, tuple(shapes[i])), lambda dims: sum(self._odc_widths(*dims)), cap
+        )
 
     def _odc_note_work(self, plan, shapes) -> None:
         """Each rank's padded tokens per microbatch under the step's final plan (derived cap
@@ -700,13 +684,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_exchange(self, rows: _Rows, slice_meta: dict, step: int, plain: int):
         """LB-Mini over every rank's rows of the step; the rows move to the ranks it names
-        (balance.exchange_rows). Returns the rows this rank runs, the slices' normalizers of
-        every rank, ((microbatches per rank), (rollouts per rank)) and this rank's microbatches
-        as positions into its rows."""
+        (the step core's gather_rows, plan_step and StepRows.exchange). Returns the rows this rank
+        runs, the slices' normalizers of every rank, ((microbatches per rank), (rollouts per
+        rank)) and this rank's microbatches as positions into its rows."""
         world = self.accelerator.num_processes
         layout = self._odc_layout_cache
         info = {
-            "lengths": rows.lengths(),
             "shapes": rows.shapes(),
             "plain": plain,
             "plain_work": self._odc_plain_work[0],
@@ -720,10 +703,10 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             "images": (
                 rows.tensors["image_grid_thw"].size(1) if "image_grid_thw" in rows.tensors else None
             ),
-            "row_images": rows.images(),
         }
-        infos = [None] * world
-        dist.all_gather_object(infos, info)  # the one exchange of lengths
+        # The one exchange of lengths (and of what every rank's plan needs besides).
+        gathered = core.gather_rows(rows.lengths(), images=rows.images(), extra=info)
+        infos = gathered.extras
         for r, other in enumerate(infos):
             if (other["images"] is None) != (infos[0]["images"] is None):
                 raise ValueError(
@@ -739,13 +722,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                     f"{WHERE}: step {step}: rank {r}'s rollouts carry "
                     f"{other['layout']}, rank 0's {infos[0]['layout']}"
                 )
-        lengths = [n for other in infos for n in other["lengths"]]
+        lengths = gathered.lengths
         shapes = [tuple(x) for other in infos for x in other["shapes"]]
-        images = (
-            None
-            if infos[0]["row_images"] is None
-            else [im for other in infos for im in other["row_images"]]
-        )
+        images = gathered.images
         plan = self._odc_plan(
             lengths, shapes, world, step, max(other["plain"] for other in infos), images
         )
@@ -773,10 +752,9 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             tensors[key] = t
         tensors[_META] = rows.meta
         # LB-Mini's rank labels are arbitrary: keep rows in place where the plan allows.
-        exchanged = balance.exchange_rows(
+        exchanged = gathered.exchange(
             tensors,
             plan,
-            [len(other["lengths"]) for other in infos],
             keep_in_place=self.odc.planner is None,
             where=f"{WHERE}: step {step}",
         )
@@ -839,10 +817,11 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
 
     def _odc_microbatch(
         self, rows: _Rows, weights: dict, micro: list[int], shapes: torch.Tensor
-    ) -> _Microbatch:
+    ) -> core.Microbatch:
         """The rows at positions `micro`, padding trimmed to their longest prompt and
         completion (as ``_odc_widths`` gives them; ``shapes``: every row's prompt and
-        completion length, on the host), with their weights."""
+        completion length, on the host), with their weights (a, e, p and narrow, see
+        ``_odc_row_weights``) and, under ``"slice"``, each row's TRL microbatch."""
         idx = torch.tensor(micro, device=rows.meta.device)
         meta = rows.meta[idx]
         longest = shapes[micro].amax(0).tolist()
@@ -871,7 +850,12 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
                 batch["num_images"] = [c for c, _ in vision]
                 batch["mm_token_type_ids"] = torch.cat([mm, mm.new_zeros((mm.size(0), cw))], dim=1)
             # else: no image, no vision forward (as TRL's text-only batch: no vision field)
-        return _Microbatch(batch, {key: value[idx] for key, value in weights.items()}, meta[:, 1])
+        return core.Microbatch(
+            batch,
+            rows=micro,
+            shape=(len(micro), pw, cw),
+            weights={**{key: value[idx] for key, value in weights.items()}, "slice": meta[:, 1]},
+        )
 
     # -- the loss ------------------------------------------------------------------------------
 
@@ -979,7 +963,7 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
         loss = loss * world
 
         with torch.no_grad():
-            acc, k = self._odc_acc, inputs.slice
+            acc, k = self._odc_acc, inputs.weights["slice"]
             narrow = inputs.weights["narrow"]
             fm = fmask.double()
 
@@ -1057,17 +1041,15 @@ class ODCGRPOTrainerMixin(ODCTrainerMixin):
             mine = [0.0] * (2 * world)
             mine[rank], mine[world + rank] = float(my_micro), float(my_rows)
             values += mine
-        reduced = self._odc_all_reduce(values)
+        reduced = core.all_reduce_sums(values)
         if counts is None:
             counts = [int(c) for c in reduced[g * len(SUMS) : g * len(SUMS) + world]]
             rollouts = [int(c) for c in reduced[g * len(SUMS) + world :]]
         sums = torch.tensor(reduced[: g * len(SUMS)], dtype=torch.float64).view(g, len(SUMS))
         lt, metrics = self.loss_type, _compat.read(self, "_metrics")["train"]
         if lt in CLIPPED_LOSSES:
-            t = acc["mins"].cpu().flatten()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            extremes = t.view(g, 2)
+            t = core.all_reduce_min(acc["mins"].cpu().flatten().tolist())
+            extremes = torch.tensor(t, dtype=torch.float64).view(g, 2)
         col = {name: sums[:, i].tolist() for i, name in enumerate(SUMS)}
 
         def ratio(num, den):

@@ -12,7 +12,7 @@ equal microbatch counts forced:
 * ``forward_backward_batch`` lets each data-parallel rank cut its own rows into the microbatches
   their tokens need (verl's ``prepare_micro_batches`` with ``same_micro_num_in_dp=False``: no MAX
   over ranks); with ``odc_balance="mini"`` the mini-batch's sequences are first re-partitioned
-  over the data-parallel ranks by LB-Mini (:func:`torch_odc.balance.plan`) and moved there.
+  over the data-parallel ranks by LB-Mini and moved there (the step core, :mod:`torch_odc.step`).
   Under Ulysses sequence parallelism a data-parallel rank is one SP group: its ranks hold the
   same rows (verl's dispatch), plan the same microbatches (the token cap times the SP size, as
   verl scales it) and check that they did, once per mini-batch; SP groups run free.
@@ -22,7 +22,7 @@ equal microbatch counts forced:
   forward runs one on zeros; see ``_vision.py``). Multi-modal fields the engine has not worked
   out are refused by name, on every rank at once.
 * ``train_batch`` reduces the per-microbatch ``Metric`` values over all ranks once, after the
-  step, to one value per rank, so that verl's ``Metric.aggregate_dp`` (which needs equal counts)
+  step (:func:`torch_odc.step.reduce_metrics`), to one value per rank, so that verl's ``Metric.aggregate_dp`` (which needs equal counts)
   logs what it logs for an equalized run.
 
 Loss normalization is verl's own and already exact: its losses divide by the mini-batch's token
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 import torch_odc
 from torch_odc import balance
+from torch_odc import step as core
 
 from . import _compat, _vision
 
@@ -315,8 +316,7 @@ class ODCEngineMixin:
         """Some rank's rows carry multi-modal fields the engine does not serve: every rank of
         the DP group raises, naming each problem and the ranks whose rows had it."""
         group = self.get_data_parallel_group()
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = core.gather_objects(mine, group)
         peers = dist.get_process_group_ranks(group)
         seen: dict[str, list[int]] = {}
         for rank, problems in zip(peers, everyone):
@@ -393,40 +393,29 @@ class ODCEngineMixin:
         # prepare_micro_batches scales it.
         cap = int(data["max_token_len_per_gpu"]) * self.ulysses_sequence_parallel_size
         # Each row's tokens and, for a vision-language model, the patches of its images.
-        local = (_row_lengths(data), _vision.row_images(data))
-        everyone = [None] * world
-        dist.all_gather_object(everyone, local, group=group)
-        lengths = [n for part, _ in everyone for n in part]
-        images = (
-            [im for part, ims in everyone for im in (ims or [()] * len(part))]
-            if any(ims for _, ims in everyone)
-            else None
-        )
-        if max(lengths) > cap:
-            raise ValueError(
-                f"{where}: a sequence of {max(lengths)} tokens is longer than the cap of "
-                f"{cap} tokens (max_token_len_per_gpu x ulysses_sequence_parallel_size; verl "
-                "refuses it too)"
-            )
+        step = core.gather_rows(_row_lengths(data), images=_vision.row_images(data), group=group)
+        lengths, images = step.lengths, step.images
         cost = self._odc_cost_fn()
         # A row's cost: its tokens' under the cost model, plus each of its images' patches as a
         # sequence of that many (the vision tower attends within an image). The token cap is
-        # verl's, on tokens (an image's placeholders are tokens too).
-        costs = balance.sequence_costs(lengths, cost)
-        if images is not None:
-            flat = [p for im in images for p in im]
-            image_costs = iter(balance.sequence_costs(flat, cost) if flat else [])
-            costs = [c + sum(next(image_costs) for _ in im) for c, im in zip(costs, images)]
-        plan = balance.plan(lengths, world, cap, mode="mini", costs=costs)
+        # verl's, on tokens (an image's placeholders are tokens too), and a longer row refused.
+        costs = step.costs(cost, every_row=True)
+        plan = core.plan_step(
+            lengths,
+            world,
+            core.LBMini(cap, cost),
+            costs=costs,
+            oversized="raise",
+            cap_note="max_token_len_per_gpu x ulysses_sequence_parallel_size; verl refuses it too",
+            where=where,
+        )
         # Rows move pickled (a TensorDict's rows may be nested tensors; a row's
         # multi_modal_inputs, its images, is one of its fields). LB-Mini's rank labels are
         # arbitrary: each rank takes the share it holds most rows of (verl's driver already
         # balanced the batch, so most rows stay where they are).
-        exchanged = balance.exchange_rows(
+        exchanged = step.exchange(
             data.select(*_row_keys(data)),
             plan,
-            [len(part) for part, _ in everyone],
-            group=group,
             keep_in_place=True,
             take=tu.index_select_tensor_dict,
             join=tu.concat_tensordict,
@@ -522,33 +511,17 @@ def _reduce_metrics(metrics: dict, group) -> None:
     rank: SUM -> the sum over all ranks divided by the DP size (what verl's mean over ranks of
     per-index sums gives with equal counts), MEAN -> the mean over all microbatches, MIN/MAX ->
     over all. Plain per-microbatch lists are left as they are (verl flattens them over ranks).
-    One all_gather_object, after the optimizer step."""
+    One reduction (:func:`torch_odc.step.reduce_metrics`), after the optimizer step."""
     mine = {
-        k: (v.aggregation.value, [float(x) for x in v.values])
+        k: (v.aggregation.value, list(v.values))
         for k, v in metrics.items()
         if isinstance(v, Metric)
     }
     world = dist.get_world_size(group)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    keys = sorted({k for part in everyone for k in part})
-    for key in keys:
-        kinds = {part[key][0] for part in everyone if key in part}
-        if len(kinds) != 1:
-            raise RuntimeError(
-                f"torch_odc verl engine: metric '{key}' is aggregated as "
-                f"{sorted(kinds)} on different ranks"
-            )
-        kind = AggregationType(kinds.pop())
-        values = [x for part in everyone if key in part for x in part[key][1]]
+    for key, (kind, value, _) in core.reduce_metrics(mine, group, "torch_odc verl engine").items():
+        kind = AggregationType(kind)
         if kind is AggregationType.SUM:
-            value = sum(values) / world
-        elif kind is AggregationType.MEAN:
-            value = sum(values) / len(values)
-        elif kind is AggregationType.MIN:
-            value = min(values)
-        else:
-            value = max(values)
+            value /= world
         metrics[key] = Metric(aggregation=kind, value=value)
 
 

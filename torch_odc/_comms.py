@@ -17,11 +17,6 @@ if TYPE_CHECKING:
     from torch_odc._handle import Handle
 
 
-# The params argument of a push of every trainable parameter in key order (the C++ side uses the
-# runs merged at connect for it); never modified.
-_ALL_PARAMS: list = []
-
-
 class _KeyedAllGather(_fsdp2.AllGather):
     """FSDP2's all-gather of one unit, served by the engine: one call into the backend (no c10d
     dispatch). Synchronous calls return None, as ``all_gather_into_tensor`` does: the copy is
@@ -74,42 +69,7 @@ class _KeyedReduceScatter(_fsdp2.ReduceScatter):
             handle._enter_minibatch()
         if group is not handle._group:
             raise RuntimeError(handle._wrong_group(self._key, "reduce-scatter", group))
-        key = self._entry
-        if (
-            key.fast_push
-            and not key.any_user
-            and _fsdp2.reduce_scatter_order(key.unit) is key._order
-        ):
-            # The common push, one C++ call: every trainable parameter got a gradient (in key
-            # order) and holds its placeholder; the call clears them (FSDP2 sets .grad next) and
-            # pushes. False: it changed nothing, and the general path below runs.
-            work = key.calls.push_all(
-                output_tensor, input_tensor, op, key.push_scale(input_tensor.dtype), async_op
-            )
-            if work is not False:
-                key.reduced = key._all_reduced
-                return work
-        params = key.take_pushed_params(input_tensor.numel() // key.world)
-        sets_grad = not key.hsdp or _fsdp2.sets_grad_after_reduce_scatter(key.unit)
-        if sets_grad and key.hsdp:
-            raise RuntimeError(
-                f"torch_odc: {handle._where()}: FSDP2's per-microbatch all-reduce across "
-                f"HSDP replicas is on for '{key.name}' (set_requires_gradient_sync(True) or "
-                "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
-                "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
-                "Call set_requires_gradient_sync() before the forward."
-            )
-        if sets_grad:
-            # FSDP2 sets .grad of these parameters right after this call (it would add into a
-            # placeholder); the hook it calls next puts the placeholder back.
-            key.take_placeholders(params)
-        # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
-        # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
-        scale = key.push_scale(input_tensor.dtype)
-        if params is key._all_trainable and key._all_in_key_order:
-            params = _ALL_PARAMS  # the same push, without converting the list
-        if not key.fast_push:
-            key.enable_fast_push()
-        return handle._backend._keyed_reduce_scatter(
-            self._key, output_tensor, input_tensor, op, params, scale, async_op
+        # The common push or the general path: the choice is the key's (_Key.push).
+        return self._entry.push(
+            handle._backend, self._key, output_tensor, input_tensor, op, async_op
         )

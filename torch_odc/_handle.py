@@ -284,11 +284,7 @@ class Handle:
             if not key.check_params():  # replaced: the step check must know the new ones
                 self._params = list(self.model.parameters())
                 self._param_ids = {id(p) for p in self._params}
-            # The common case in one C++ call: no parameter kept a .grad (zero_grad() to None),
-            # so every prior stays None (the barrier left them so) and each gets its placeholder.
-            key.entered_clean = key.fast_push and key.calls.place_all()
-            if key.entered_clean:
-                key.any_user = False
+            if key.enter_clean():
                 continue
             for index, fp in enumerate(key.unit.params):
                 if key.grad_numels[index] == 0:
@@ -571,11 +567,8 @@ def _finalize(key: _Key, got_grad: list[bool]) -> None:
     leave it after the minibatch: the reduced gradient, added to what ``.grad`` held before.
     Where the gradient dtype is the accumulator's (fp32 / fp64 models), ``.grad`` is a view of
     the accumulator span (no copy; released when this rank enters the next minibatch)."""
-    if key.entered_clean and key.check_params() and key.fast_push and key.calls.finalize(got_grad):
-        # Every prior None: .grad is the view where a gradient came, else None (one C++ call).
-        key.entered_clean = False
+    if key.finalize_clean(got_grad):
         return
-    key.entered_clean = False
     for index, fp in enumerate(key.unit.params):
         if key.grad_numels[index] == 0:
             continue

@@ -20,6 +20,9 @@ _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.float64: "float64",
 }
+# The params argument of a push of every trainable parameter in key order (the C++ side uses the
+# runs merged at connect for it); never modified.
+_ALL_PARAMS: list = []
 # What _Key.prior holds for a parameter whose .grad is kept across the barrier: a view of its
 # accumulator span, kept there (_CARRY), or a tensor of the user's own, left in .grad (_USER).
 _CARRY, _USER = "carry", "user"
@@ -420,6 +423,72 @@ class _Key:
             f"{sum(self.grad_numels[i] for i in candidates[0])}. Parameters frozen after attach "
             "(requires_grad changed) need a re-attach."
         )
+
+    # The common case and the general path: every choice between them is made by the three
+    # methods below (entering a minibatch, a push, the barrier's .grad), from fast_push (the
+    # common push is handed to C++), entered_clean and any_user.
+    def enter_clean(self) -> bool:
+        """Entering a minibatch, the common case in one C++ call (``calls.place_all``): no
+        parameter kept a .grad (zero_grad() to None), so every prior stays None (the barrier
+        left them so) and each gets its placeholder. False: nothing changed, the caller records
+        each parameter's prior."""
+        self.entered_clean = self.fast_push and self.calls.place_all()
+        if self.entered_clean:
+            self.any_user = False
+        return self.entered_clean
+
+    def finalize_clean(self, got_grad: list[bool]) -> bool:
+        """The barrier, where enter_clean applied: every prior None, so each .grad is its
+        accumulator view where a gradient came, else None (one C++ call, ``calls.finalize``).
+        False: nothing changed, the caller finalizes each parameter."""
+        done = bool(
+            self.entered_clean
+            and self.check_params()
+            and self.fast_push
+            and self.calls.finalize(got_grad)
+        )
+        self.entered_clean = False
+        return done
+
+    def push(self, backend, index: int, output, input, op, async_op: bool):
+        """FSDP2's reduce-scatter of this unit (key `index` of `backend`), served by the engine:
+        the one place that chooses between the common push, one C++ call (``calls.push_all``),
+        and the general path (the bookkeeping here, then ``backend._keyed_reduce_scatter``).
+        None, or a Work with `async_op`."""
+        if (
+            self.fast_push
+            and not self.any_user
+            and _fsdp2.reduce_scatter_order(self.unit) is self._order
+        ):
+            # Every trainable parameter got a gradient (in key order) and holds its
+            # placeholder: the call clears them (FSDP2 sets .grad next) and pushes. False: it
+            # changed nothing, and the general path below runs.
+            work = self.calls.push_all(output, input, op, self.push_scale(input.dtype), async_op)
+            if work is not False:
+                self.reduced = self._all_reduced
+                return work
+        params = self.take_pushed_params(input.numel() // self.world)
+        sets_grad = not self.hsdp or _fsdp2.sets_grad_after_reduce_scatter(self.unit)
+        if sets_grad and self.hsdp:
+            raise RuntimeError(
+                f"torch_odc: {self._where()}: FSDP2's per-microbatch all-reduce across "
+                f"HSDP replicas is on for '{self.name}' (set_requires_gradient_sync(True) or "
+                "set_requires_all_reduce(True) after its forward): under ODC replicas meet once, "
+                "in torch_odc.minibatch_barrier(), and may run different microbatch counts. "
+                "Call set_requires_gradient_sync() before the forward."
+            )
+        if sets_grad:
+            # FSDP2 sets .grad of these parameters right after this call (it would add into a
+            # placeholder); the hook it calls next puts the placeholder back.
+            self.take_placeholders(params)
+        # What FSDP2 applies after the collective (its post-division; under HSDP the replicas'
+        # averaging): ODC's output is zeros until the barrier, so it is applied to the push.
+        scale = self.push_scale(input.dtype)
+        if params is self._all_trainable and self._all_in_key_order:
+            params = _ALL_PARAMS  # the same push, without converting the list
+        if not self.fast_push:
+            self.enable_fast_push()
+        return backend._keyed_reduce_scatter(index, output, input, op, params, scale, async_op)
 
     def pending_grads(self) -> list[str]:
         return [_param_name(self.unit, i) for i in self.calls.pushed()]

@@ -255,9 +255,22 @@ ENTRIES: tuple[Entry, ...] = (
         "trl.DPOTrainer",
         "_compute_loss",
         REPRODUCED,
-        "the adapter's compute_loss reproduces its per-pair losses, weights and metrics",
+        "called in training microbatches when every loss type is per-pair (its loss, a mean "
+        "over the microbatch's pairs, scaled by world x pairs / the step's pairs; its metric "
+        "gathers local for the call, its logged values summed for the step); reproduced with "
+        "loss_type 'sft' beside per-pair types (a token mean over the microbatch's chosen "
+        "tokens: no single per-microbatch scale is exact): per-pair losses, f-divergence "
+        "scores, ld_alpha, WPO weights, the reference forward and the metrics",
         ("dpo",),
         params=("model", "inputs", "return_outputs"),
+    ),
+    _trl(
+        "trl.DPOTrainer",
+        "gather_for_metrics",
+        READ_BY,
+        "_compute_loss gathers its metrics through the accelerator (gather_for_metrics, "
+        "gather): the adapter hands it an accelerator whose gathers are local for that call",
+        ("dpo",),
     ),
     _trl(
         "trl.models.utils",

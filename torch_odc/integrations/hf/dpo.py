@@ -12,6 +12,13 @@ FSDP2 averages the ranks' gradients. With equal microbatches of b pairs (TRL's b
 ``world * sum_t w_t * sum over its pairs of l_t(pair) / B`` (FSDP2's and ODC's division by the
 world size takes the ``world`` back out), which gives that same gradient for any split, a rank
 with no microbatch included.
+
+For the per-pair loss types that is TRL's own loss of the microbatch (a mean over its m pairs)
+times ``world * m / B``: the adapter calls TRL's ``_compute_loss`` and scales it, with TRL's
+per-microbatch metric gathers made local (``_LocalGathers``) and TRL's local values turned into
+sums for the step's reduction. With ``sft`` among the loss types (a token mean over the
+microbatch's chosen tokens beside per-pair means) no single scale is exact: the adapter then
+reproduces TRL 1.16's loss (``_odc_reproduced_loss``, listed in the compatibility manifest).
 """
 
 from __future__ import annotations
@@ -55,6 +62,21 @@ _TOKEN_MEAN = ("sft",)
 
 _NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
+# TRL's per-microbatch metrics (DPOTrainer._compute_loss, appended once per call) as the
+# adapter's sums: (its key in _METRIC_KEYS, the count TRL's local value is a mean over).
+_TRL_METRICS = {
+    "entropy": ("entropy", "completion_tokens"),
+    "logits/chosen": ("chosen_logits", "chosen_tokens"),
+    "logits/rejected": ("rejected_logits", "rejected_tokens"),
+    "mean_token_accuracy": ("chosen_correct", "chosen_tokens"),
+    "rewards/chosen": ("rewards_chosen", "pairs"),
+    "rewards/rejected": ("rewards_rejected", "pairs"),
+    "rewards/accuracies": ("rewards_accuracies", "pairs"),
+    "rewards/margins": ("rewards_margins", "pairs"),
+    "logps/chosen": ("logps_chosen", "pairs"),
+    "logps/rejected": ("logps_rejected", "pairs"),
+}
+
 _METRIC_KEYS = (
     "pairs",
     "completion_tokens",
@@ -72,6 +94,26 @@ _METRIC_KEYS = (
     "logps_chosen",
     "logps_rejected",
 )
+
+
+class _LocalGathers:
+    """The trainer's accelerator during one call of TRL's loss in a training microbatch: its
+    metric gathers (``gather``, ``gather_for_metrics``) return this rank's tensor, so that TRL's
+    loss runs no collective that ranks with different microbatch counts cannot all call (TRL's
+    metrics are then this microbatch's, which the adapter sums and reduces once per step);
+    everything else is the accelerator's."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def gather(self, tensor):
+        return tensor
+
+    def gather_for_metrics(self, data, *args, **kwargs):
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
 
 
 def _check_loss_types(loss_types, use_weighting: bool) -> None:
@@ -122,11 +164,13 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
       and prompt + rejected (truncated at ``max_length``); a pair never leaves its microbatch.
       A vision dataset's pairs carry their images (collated per microbatch from the dataset's
       rows; their patches, twice, in the cost: see ``_vision``).
-    * In training microbatches :meth:`compute_loss` runs the same forwards as TRL (the policy,
-      then the reference: precomputed log-probabilities, the PEFT model with its adapter
-      disabled, or a reference model that is not sharded) and weights every pair by
-      ``1 / pairs in the step`` (``sft``: every chosen token by ``1 / chosen tokens in the
-      step``), so the gradient and the logged loss are plain TRL's for the step.
+    * In training microbatches :meth:`compute_loss` weights every pair by ``1 / pairs in the
+      step`` (``sft``: every chosen token by ``1 / chosen tokens in the step``), so the gradient
+      and the logged loss are plain TRL's for the step: per-pair loss types call TRL's own loss
+      and scale it (``_odc_scaled_loss``); with ``sft`` the adapter runs the same forwards as
+      TRL (the policy, then the reference: precomputed log-probabilities, the PEFT model with
+      its adapter disabled, or a reference model that is not sharded) and reproduces TRL's
+      loss (``_odc_reproduced_loss``).
     * TRL's metrics (rewards, margins, accuracies, log-probs, logits, entropy, token accuracy,
       token count) are summed locally, all-reduced once per step after the barrier and logged
       under TRL's names with TRL's values.
@@ -391,6 +435,59 @@ class ODCDPOTrainerMixin(ODCTrainerMixin):
             )
         if return_outputs:
             raise NotImplementedError(f"{_WHERE}: return_outputs in training")
+        if "sft" in self.loss_types:
+            return self._odc_reproduced_loss(model, inputs)
+        return self._odc_scaled_loss(model, inputs)
+
+    def _odc_scaled_loss(self, model, inputs):
+        """TRL's own loss of the microbatch (per-pair loss types: a mean over its pairs) times
+        ``world * pairs / (the step's pairs)``; TRL's metrics of the microbatch taken out of its
+        log as sums (``_TRL_METRICS``), for the step's reduction."""
+        metrics = _compat.read(self, "_metrics")["train"]
+        before = {key: list(values) for key, values in metrics.items()}
+        tokens = _compat.read(self, "_total_train_tokens")
+        self._odc_unshard_output_head()  # the fused LM head reads its weight directly
+        accelerator = self.accelerator
+        self.accelerator = _LocalGathers(accelerator)
+        try:
+            loss = _compat.call(self, "_compute_loss", model, inputs, return_outputs=False)
+        finally:
+            self.accelerator = accelerator
+            # TRL's token count and its log as before: the adapter counts and logs them once
+            # per step (_odc_record_metrics).
+            _compat.write(self, "_total_train_tokens", tokens)
+            local = {
+                key: values[len(before.get(key, ())) :]
+                for key, values in metrics.items()
+                if key in _TRL_METRICS
+            }
+            for key in list(metrics):
+                if key in before:
+                    metrics[key] = before[key]
+                else:
+                    del metrics[key]
+        shifted = inputs["completion_mask"][..., 1:]
+        chosen_mask, rejected_mask = shifted.chunk(2, dim=0)
+        counts = {
+            "pairs": inputs["input_ids"].size(0) // 2,
+            "completion_tokens": float(shifted.sum()),
+            "chosen_tokens": float(chosen_mask.sum()),
+            "rejected_tokens": float(rejected_mask.sum()),
+        }
+        s = self._odc_sums
+        for key, count in counts.items():
+            s[key] += count
+        s["attention_tokens"] += float(inputs["attention_mask"].sum())
+        for key, (name, count) in _TRL_METRICS.items():
+            (value,) = local[key]  # TRL appends each once per call
+            s[name] += value * counts[count]
+        world = self.accelerator.num_processes // self.get_tp_size()
+        return loss * (world * counts["pairs"] / self._odc_totals["pairs"])
+
+    def _odc_reproduced_loss(self, model, inputs):
+        """TRL 1.16's ``_compute_loss`` reproduced with per-pair weights ``1 / (the step's
+        pairs)`` and per-token weights ``1 / (the step's chosen tokens)`` for ``sft`` (which no
+        single per-microbatch scale makes exact beside per-pair means); metrics as sums."""
         completion_mask = inputs["completion_mask"]
         shifted = completion_mask[..., 1:]
         seq_len = shifted.size(1)

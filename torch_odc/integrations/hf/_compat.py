@@ -394,7 +394,10 @@ ENTRIES: tuple[Entry, ...] = (
         "trl.GRPOTrainer",
         "_compute_loss",
         REPRODUCED,
-        "the adapter's loss reproduces its per-token loss and metrics with per-row weights",
+        "the adapter's loss reproduces its per-token loss and metrics with per-row weights: "
+        "no per-microbatch scale of TRL's loss is exact where an ODC microbatch holds rows of "
+        "several TRL microbatches (bnpo's and the entropy bonus's normalizers differ between "
+        "them), TRL's metrics are per TRL microbatch, and its loss gathers them in every call",
         ("grpo",),
         params=("model", "inputs"),
     ),

@@ -240,6 +240,24 @@ def decomposition_rows() -> list:
             b: odc["tokens_per_s_per_gpu"] / s[b]["tokens_per_s_per_gpu"] for b in s if b != "odc"
         }
         peak = {b: s[b]["peak_memory_gib"][0] for b in s}
+        result = "; ".join(
+            f"{odc['tokens_per_s_per_gpu']:.0f} vs {s[b]['tokens_per_s_per_gpu']:.0f} "
+            f"tok/s against `{b}`: {x(v)}"
+            for b, v in vs.items()
+        )
+        update = None
+        if rec["mode"] == "grpo":  # the update phase (what ODC changes) beside the whole step
+            key = "update_tokens_per_s_per_gpu"
+            update = {b: odc[key] / s[b][key] for b in s if b != "odc"}
+            result = (
+                "update "
+                + "; ".join(
+                    f"{odc[key]:.0f} vs {s[b][key]:.0f} tok/s against `{b}`: {x(v)}"
+                    for b, v in update.items()
+                )
+                + "; whole step "
+                + ", ".join(f"{x(v)} against `{b}`" for b, v in vs.items())
+            )
         rows.append(
             {
                 "id": f"decomposition-{rec['mode']}",
@@ -247,11 +265,8 @@ def decomposition_rows() -> list:
                 "trainer": rec["mode"],
                 "speedup": vs.get("plain"),
                 "vs": vs,
-                "result": "; ".join(
-                    f"{odc['tokens_per_s_per_gpu']:.0f} vs {s[b]['tokens_per_s_per_gpu']:.0f} "
-                    f"tok/s against `{b}`: {x(v)}"
-                    for b, v in vs.items()
-                ),
+                "update_vs": update,
+                "result": result,
                 "odc_peak": peak["odc"],
                 "base_peak": peak.get("plain"),
                 "peaks": peak,
@@ -293,6 +308,7 @@ def resolve(index: dict) -> dict:
             out.append({**got, **{k: v for k, v in row.items() if k != "kind"}})
         tables[name] = out
     tables["decomposition"] = decomposition_rows()
+    tables["split"] = split_rows(summary, was)
     return tables
 
 
@@ -319,6 +335,34 @@ def md_table(head: list, rows: list) -> str:
 PROV = ["machine", "date", "commit", "command", "file"]
 
 
+def split_rows(summary: list, was: dict) -> list:
+    """The multi-rank trainer rows whose speed-up `bench_trl.py decompose` split (its
+    ``decomposition`` field in trainers.json): (a) the plan on one rank, (b) what balancing
+    across ranks adds to it, (c) the measured speed-up, and c / (a x b), the single sync and
+    the transport; each against the baseline both records have."""
+    rows = []
+    for r in summary:
+        d = r.get("decomposition")
+        if not d:
+            continue
+        for base, e in d["by_baseline"].items():
+            if "measured" not in e:
+                continue
+            rows.append(
+                {
+                    "label": f"{r['trainer'].upper()} {r.get('model', '1b')}, {r['gpus']} GPUs",
+                    "baseline": f"`{base}`",
+                    "a": x(e["plan_one_rank"]),
+                    "b": x(d["balance_bound"]) if d.get("balance_bound") else "?",
+                    "c": x(e["measured"]),
+                    "remainder": x(e["remainder"]) if e.get("remainder") else "?",
+                    "files": f"{file_link('trainers/' + d['one_rank'])}, "
+                    f"{file_link(trainer_record(d['multi_rank'], was))}",
+                }
+            )
+    return rows
+
+
 def doc_tables(t: dict) -> dict:
     out = {}
     for name in ("e2e-2gpu", "e2e-4gpu", "step", "transport", "memory", "suite"):
@@ -339,6 +383,22 @@ def doc_tables(t: dict) -> dict:
             ]
             for r in t["trainers"]
         ],
+    )
+    out["split"] = md_table(
+        [
+            "row",
+            "baseline",
+            "(a) plan, one rank",
+            "(b) balance",
+            "(c) measured",
+            "c / (a x b)",
+            "records",
+        ],
+        [
+            [r["label"], r["baseline"], r["a"], r["b"], r["c"], r["remainder"], r["files"]]
+            for r in t["split"]
+        ]
+        or [["(no decomposed row yet)", "", "", "", "", "", ""]],
     )
     out["decomposition"] = md_table(
         ["row", "baselines", "result", "peak GiB", *PROV],
@@ -367,6 +427,9 @@ def readme_tables(t: dict) -> str:
             top = "1 GPU" if name == "decomposition" else f"{r.get('gpus', 2)} GPUs"
             if name == "decomposition":
                 figure = ", ".join(f"{v:.2f}x `{b}`" for b, v in r["vs"].items())
+                if r.get("update_vs"):
+                    update = ", ".join(f"{v:.2f}x `{b}`" for b, v in r["update_vs"].items())
+                    figure = f"update {update}; whole step {figure}"
                 base = "`plain`, `plain-tuned`"
             else:
                 figure = f"{r['speedup']:.2f}x"

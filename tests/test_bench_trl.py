@@ -520,3 +520,23 @@ def test_decompose_splits_the_measured_speedup():
     assert out["by_baseline"]["plain-tuned"] == {"plan_one_rank": pytest.approx(1.2 / 1.1)}
     with pytest.raises(SystemExit, match="different tokens"):
         decompose(one, record({"odc": 3.0, "plain": 2.0}, 1.5, tokens=(100, 300)), key)
+
+    # GRPO's completions are sampled: the same rollouts, tokens within 2 %, pass; more, or
+    # other rollouts, do not; the other trainers' tokens must be equal.
+    def grpo(tokens, rollouts=(8, 8)):
+        r = record({"odc": 3.0, "plain": 2.0}, 1.5, tokens=tokens)
+        r["mode"] = "grpo"
+        for v in r["runs"].values():
+            for s, n in zip(v["steps"], rollouts, strict=True):
+                s["rollouts"] = n
+        return r
+
+    one_grpo = grpo((100, 200))
+    one_grpo["summary"] = one["summary"]
+    assert decompose(one_grpo, grpo((101, 197)), key)["steps_compared"] == 2
+    with pytest.raises(SystemExit, match="different tokens"):
+        decompose(one_grpo, grpo((100, 210)), key)
+    with pytest.raises(SystemExit, match="different rollouts"):
+        decompose(one_grpo, grpo((100, 200), rollouts=(8, 16)), key)
+    with pytest.raises(SystemExit, match="different tokens"):
+        decompose(one, record({"odc": 3.0, "plain": 2.0}, 1.5, tokens=(101, 200)), key)

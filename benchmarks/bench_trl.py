@@ -200,8 +200,8 @@ def fixed_cost_bound(odc_steps: list[dict], plain_steps: list[dict]) -> dict | N
 # (ODC at the same explicit multiple), else nothing (ODC's default).
 PAD, ODC_PAD = "{pad}", "{odc_pad}"
 # The sides of a row's headline: the faster ODC variant of these against the faster baseline.
-ODC_SIDES = ("odc", "odc-padfree")
-BASELINES = ("plain", "plain-tuned", "plain-padfree")
+ODC_SIDES = ("odc", "odc-padfree", "odc-rmpad")
+BASELINES = ("plain", "plain-tuned", "plain-padfree", "plain-rmpad")
 # What each variant sets, for the record (the example's meta["config"] is what reached it).
 VARIANT_SETS = {
     "odc": "odc_trainer(...), the derived cap, ODCConfig.pad_to_multiple_of as --pad-multiple "
@@ -212,6 +212,8 @@ VARIANT_SETS = {
     "plain-padfree": "the unmodified trainer with padding_free=True",
     "odc-local": "odc_trainer(...) without moving rollouts between ranks",
     "odc-nopad": "odc_trainer(...) with ODCConfig.pad_to_multiple_of=1",
+    "plain-rmpad": "verl's fsdp2 engine with use_remove_padding=True (rows packed, position_ids)",
+    "odc-rmpad": "the odc engine (LB-Mini) with use_remove_padding=True",
 }
 
 
@@ -445,6 +447,10 @@ MODES: dict[str, Mode] = {
             "odc": ["--strategy", "odc", "--balance", "mini"],
             "odc-local": ["--strategy", "odc", "--balance", "local"],
             "plain": ["--strategy", "fsdp2"],
+            # verl's own tuned setting beside dynamic batch size (on in both): rows packed into
+            # one with position_ids, no padding (docs/integrations/verl.md: exact under sdpa).
+            "plain-rmpad": ["--strategy", "fsdp2", "--remove-padding"],
+            "odc-rmpad": ["--strategy", "odc", "--balance", "mini", "--remove-padding"],
         },
         unit="sequences",
         python="verl",

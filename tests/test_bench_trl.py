@@ -15,8 +15,13 @@ import pytest
 from verl_env import ROOT, verl_python
 
 
-def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
+@pytest.mark.parametrize("rmpad", [False, True], ids=["padded", "remove-padding"])
+def test_the_verl_benchmark_reports_a_trainers_row(tmp_path, rmpad):
+    """verl's fsdp2 engine against the odc engine; with ``rmpad`` their tuned pair,
+    ``plain-rmpad`` / ``odc-rmpad`` (verl's use_remove_padding, which reaches the engine)."""
     python = verl_python()
+    sfx = "-rmpad" if rmpad else ""
+    variants = ["--variants", f"odc{sfx},plain{sfx}"] if rmpad else []
     summary = tmp_path / "trainers.json"
     env = {**os.environ, "ODC_VERL_PYTHON": python, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -33,6 +38,7 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
             str(summary),
             "--kind",
             "cpu",
+            *variants,
         ],
         env=env,
         cwd=ROOT,
@@ -48,9 +54,12 @@ def test_the_verl_benchmark_reports_a_trainers_row(tmp_path):
         assert row[key] > 0, (key, row)
     record = json.loads((tmp_path / "bench_trl_verl_2cpu.json").read_text())
     assert record["versions"]["verl"] == "0.9.1"
-    odc, plain = record["runs"]["odc"], record["runs"]["plain"]
+    odc, plain = record["runs"][f"odc{sfx}"], record["runs"][f"plain{sfx}"]
+    assert (row["odc_variant"], row["baseline"]) == (f"odc{sfx}", f"plain{sfx}")
     assert odc["meta"]["strategy"] == "odc" and odc["meta"]["balance"] == "mini"
     assert plain["meta"]["strategy"] == "fsdp2"
+    for run in (odc, plain):
+        assert run["meta"]["use_remove_padding"] is rmpad
     for o, p in zip(odc["steps"], plain["steps"], strict=True):
         # the same rollouts, and every token run exactly once under either engine
         assert o["tokens"] == p["tokens"] == sum(o["padded_per_rank"]) == sum(p["padded_per_rank"])

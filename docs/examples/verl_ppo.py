@@ -105,6 +105,12 @@ def parse():
         default=None,
         help="parameters in the forward (default: bf16 on GPUs, fp32 on CPU)",
     )
+    p.add_argument(
+        "--remove-padding",
+        action="store_true",
+        help="verl's use_remove_padding: each microbatch's rows packed into one with "
+        "position_ids (under sdpa transformers masks each packed row to itself)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default=None, help="directory for the JSON log")
     step_probe.add_arguments(p)
@@ -221,7 +227,7 @@ def make_worker(args, strategy: str, path: str):
         model_config=HFModelConfig(
             path=path,
             load_tokenizer=False,
-            use_remove_padding=False,
+            use_remove_padding=args.remove_padding,
             override_config={"attn_implementation": "sdpa"},
         ),
         engine_config=engine,
@@ -345,7 +351,13 @@ def run(args, strategy: str, path: str, rank: int, world: int) -> dict:
     dist.all_gather_object(peaks, peak)
     if handle is not None:
         handle.detach()
-    return {"steps": steps, "params": params, "peak_memory_gib": peaks}
+    return {
+        "steps": steps,
+        "params": params,
+        "peak_memory_gib": peaks,
+        # what reached verl's engine (its model config's use_remove_padding, as it trained)
+        "use_remove_padding": bool(worker.engine.use_remove_padding),
+    }
 
 
 def engine_row_lengths(data) -> list[int]:
@@ -421,6 +433,7 @@ def main() -> None:
                 "size": args.size,
                 "args": vars(args),
                 "peak_memory_gib": r["peak_memory_gib"],
+                "use_remove_padding": r["use_remove_padding"],
                 "versions": versions(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             }

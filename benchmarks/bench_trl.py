@@ -85,6 +85,49 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The top-level keys each writer may write (it raises on any other; tests/test_pooled_records.py
+# holds every committed record and trainers row to them, so a hand-added field fails there).
+_NOTE_KEYS = {"note", "commit_note", "device_command"}
+_PROVENANCE_KEYS = {
+    *("mode", "hardware", "host_cpu", "kind", "nproc", "versions", "commit", "warmup_steps"),
+    *("command", *_NOTE_KEYS),
+}
+RECORD_KEYS = {  # a run's record (_record)
+    *_PROVENANCE_KEYS,
+    *("variant_commands", "summary", "runs", "data_ranks", "pad_multiple", "variant_configs"),
+    *("attention", "repeats", "rounds", "partial"),
+}
+POOLED_RECORD_KEYS = {  # pool's record
+    *_PROVENANCE_KEYS,
+    *("pooled_from", "pooled", "commits", "repeats", "rounds", "variant_configs", "summary"),
+}
+POOLED_BLOCK_KEYS = {"runs", "note", "steps_per_variant", "speedup_of_each_run", "seconds_per_step"}
+ROW_KEYS = {  # a trainers.json row (_finish; decompose adds "decomposition")
+    *("trainer", "gpus", "kind", "model", "commit", "metric", "odc_variant", "baseline"),
+    *("odc_tokens_per_s_per_gpu", "base_tokens_per_s_per_gpu", "speedup", "odc_peak_gib"),
+    *("base_peak_gib", "baselines", "speedup_vs_defaults", "bound", "bound_with_fixed_cost"),
+    *("fixed_seconds_per_step", "step_speedup", "steady_speedup", "odc_jit_seconds"),
+    *("base_jit_seconds", "repeats", "speedup_of_each_round", "result", "peak_basis"),
+    *("attention", "data_ranks", "decomposition", "pooled", "note"),
+}
+DECOMPOSITION_KEYS = {
+    *("plan_one_rank", "bound_one_rank", "odc_variant", "bound", "balance_bound"),
+    *("steps_compared", "by_baseline", "one_rank", "multi_rank", "one_rank_kind"),
+    "one_rank_commit",
+}
+
+
+def unknown_keys(obj: dict, allowed: set, what: str) -> list[str]:
+    """``what.key`` for each top-level key of ``obj`` outside ``allowed``."""
+    return [f"{what}.{k}" for k in sorted(set(obj) - allowed)]
+
+
+def _checked(obj: dict, allowed: set, what: str) -> dict:
+    bad = unknown_keys(obj, allowed, what)
+    if bad:
+        raise AssertionError(f"bench_trl writes a key outside its key set: {', '.join(bad)}")
+    return obj
+
 
 @dataclasses.dataclass
 class Mode:
@@ -777,7 +820,7 @@ def _record(
         record.update(repeats=args.repeats, rounds=rounds)
     if partial:
         record["partial"] = True
-    return record
+    return _checked(record, RECORD_KEYS, "record")
 
 
 def _notes(args) -> dict:
@@ -947,7 +990,7 @@ def _finish(
     row.update(row_extra or {})
     if getattr(args, "note", None) and "pooled" not in row:  # a pooled row has it there
         row["note"] = args.note
-    update_summary(args.summary, row)
+    update_summary(args.summary, _checked(row, ROW_KEYS, "row"))
 
 
 def _model(mode: Mode, extra: list[str], cpu: bool) -> str:
@@ -1068,8 +1111,10 @@ def pool_main(argv: list[str]) -> None:
         }
     os.makedirs(args.out, exist_ok=True)
 
+    _checked(block, POOLED_BLOCK_KEYS, "pooled")
+
     def record() -> dict:
-        return {
+        rec = {
             "mode": args.mode,
             "hardware": first["hardware"],
             "host_cpu": sorted({str(r.get("host_cpu")) for r in records}),
@@ -1088,6 +1133,7 @@ def pool_main(argv: list[str]) -> None:
             **({"variant_configs": configs} if configs else {}),
             "summary": summary,
         }
+        return _checked(rec, POOLED_RECORD_KEYS, "pooled record")
 
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(record(), f, indent=1)
@@ -1203,7 +1249,7 @@ def decompose_main(argv: list[str]) -> None:
         hit = [r for r in rows if _row_key(r) == key]
         if not hit:
             raise SystemExit(f"decompose: no row {key} in {args.summary}")
-        hit[0]["decomposition"] = out
+        hit[0]["decomposition"] = _checked(out, DECOMPOSITION_KEYS, "decomposition")
         with open(args.summary, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
 

@@ -105,6 +105,62 @@ def test_parameters_replaced_between_minibatches_train_exactly_through_the_cpp_p
         assert stats["fast_params_current"]
 
 
+def _second_run_after_destroying_the_group(rank, world, plan, init_file):
+    """A model attached and trained for one minibatch but never detached; then the process
+    group is destroyed and a new one made (a second run in the same process, a restart in
+    place), and a new model trains over it. Returns the second run's training, the registry's
+    size before the second attach, whether the first model was freed, and what using the first
+    model raises."""
+    import gc
+    import weakref
+
+    from odc_training import loss_of, samples
+
+    import torch_odc
+
+    first = sharded_model(world)
+    torch_odc.attach(first)
+    opt = torch.optim.SGD(first.parameters(), lr=LR)
+    loss_of(first, samples(0, world)[rank]).backward()
+    torch_odc.minibatch_barrier()
+    opt.step()
+    dist.destroy_process_group()
+    dist.init_process_group("odc", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        first(samples(1, 1)[0][:, :-1])
+        used = None
+    except Exception as err:  # noqa: BLE001 -- the test reports whatever was raised
+        used = f"{type(err).__name__}: {err}"
+    registry = len(torch_odc.stats())  # drops the model of the destroyed group
+    alive = weakref.ref(first)
+    del first, opt
+    gc.collect()
+    second = train_odc(rank, world, plan, False, None, True, LR)
+    return second, registry, alive() is not None, used
+
+
+def test_a_model_of_a_destroyed_process_group_is_dropped_and_a_new_run_trains_exactly(tmp_path):
+    """destroy_process_group() ends what was attached through it: the barrier and the other
+    registry calls no longer reach that model (nor keep it alive), using it raises, and a new
+    model over a new process group in the same process trains as FSDP2 would."""
+    plan = PLANS[2]
+    results = run_ranks(2, _second_run_after_destroying_the_group, plan, str(tmp_path / "init"))
+    want = reference(plan, False, LR)
+    for rank, ((params, stats, _), registry, alive, used) in enumerate(results):
+        assert registry == 0, f"rank {rank}: {registry} models still attached"
+        assert not alive, f"rank {rank}: the registry keeps the first model alive"
+        assert used is not None and "destroy_process_group" in used, f"rank {rank}: {used}"
+        assert stats["total"]["minibatches"] == len(plan)
+        for name, ref in want.items():
+            torch.testing.assert_close(
+                params[name],
+                ref,
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
+
+
 def test_local_shards_join_to_the_reference():
     """What the compute-sanitizer flow relies on: each rank's dim-0 shards, joined in rank
     order, are the full parameters (no all-gather needed to check a run)."""

@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_odc import _C, _fsdp2
 from torch_odc._backend import odc_backend
 from torch_odc._comms import _KeyedAllGather, _KeyedReduceScatter
-from torch_odc._handle import Handle, _handles
+from torch_odc._handle import Handle, _attached, _handles
 from torch_odc._keys import _DTYPE_NAMES, _Key
 
 
@@ -112,6 +112,7 @@ def attach(model: torch.nn.Module, *, eager_publish: bool = True) -> Handle:
     # Before FSDP2's own root pre-forward (which may start the root's all-gather).
     handle._hooks.append(model.register_forward_pre_hook(handle._pre_forward, prepend=True))
     handle._step_hook = register_optimizer_step_pre_hook(handle._check_step)
+    _attached()  # drops models attached through a process group destroyed since
     _handles.append(handle)
     return handle
 

@@ -15,7 +15,8 @@ from torch_odc._clock import _CLOCK_KINDS, _HostClock, _profiling
 from torch_odc._keys import _CARRY, _USER, _Key
 from torch_odc._placeholder import _dropped_message, _is_placeholder, _NoGradBeforeBarrier
 
-# The attached models: what minibatch_barrier() and stats() go over (attach adds, detach removes).
+# The attached models: what minibatch_barrier() and stats() go over (attach adds, detach removes,
+# and _attached() drops those whose process group was destroyed).
 _handles: list[Handle] = []
 # HSDP: the accumulators are all-reduced across replicas in buckets of at most this size.
 _REPLICA_BUCKET_BYTES = 256 << 20
@@ -533,6 +534,25 @@ class Handle:
             _handles.remove(self)
 
 
+def _attached() -> list[Handle]:
+    """The attached models whose process group still exists. destroy_process_group() shuts the
+    odc backend down: a model attached through it can no longer gather or push, and training a
+    new model over a new process group in the same process (a second run, a restart in place)
+    must not reach it. Its handle is dropped here with its hooks, so that the registry no longer
+    keeps the model alive; the model itself, like an FSDP2 model whose process group is gone,
+    can no longer run (its keyed calls name the shut-down backend)."""
+    for handle in [h for h in _handles if h._backend.is_shutdown]:
+        for hook in [*handle._hooks, handle._step_hook]:
+            if hook is not None:
+                hook.remove()
+        handle._hooks, handle._step_hook = [], None
+        for key in handle._keys:
+            key.unwatch_grads()  # what C++ holds of the parameters (the .grad placeholders)
+        handle._attached = False
+        _handles.remove(handle)
+    return list(_handles)
+
+
 def _leave_region(key: _Key) -> None:
     """Before the region goes (detach, release_memory): no ``.grad`` of `key` and nothing here
     views it any more. Placeholders become None; ``.grad`` views of the accumulators become
@@ -599,10 +619,10 @@ def minibatch_barrier() -> None:
     """
     if _profiling():
         with torch.profiler.record_function("odc::minibatch_barrier"):
-            for handle in _handles:
+            for handle in _attached():
                 handle.barrier()
     else:
-        for handle in _handles:
+        for handle in _attached():
             handle.barrier()
 
 
@@ -617,7 +637,7 @@ def free_gradient_memory() -> None:
     or barrier (where the ranks then wait for each other once). Raises if this rank already
     pushed gradients in the current minibatch: they would be lost.
     """
-    for handle in _handles:
+    for handle in _attached():
         handle.free_gradient_memory()
 
 
@@ -625,7 +645,7 @@ def restore_gradient_memory() -> None:
     """Allocates the accumulators :func:`free_gradient_memory` returned. Collective: call it on
     every rank where they meet anyway (before the minibatch's first backward), or leave it to
     the first backward."""
-    for handle in _handles:
+    for handle in _attached():
         handle.restore_gradient_memory()
 
 
@@ -644,7 +664,7 @@ def release_memory() -> None:
     else the next forward or barrier of each rank does (collective too: every rank meets there
     once); the model must be back on the device it was attached on by then.
     """
-    for handle in _handles:
+    for handle in _attached():
         handle.release_memory()
 
 
@@ -654,11 +674,11 @@ def restore_memory() -> None:
     accumulators zero. Collective: call it on every rank, with the model on the device it was
     attached on (``model.to(device)`` first), or leave it to each rank's next forward or barrier.
     Training afterwards equals training without the release."""
-    for handle in _handles:
+    for handle in _attached():
         handle.restore_memory()
 
 
 def stats() -> list[dict]:
     """Per-rank counters of every attached model: for the minibatch in progress ("current"),
     the last completed one ("last") and all so far ("total")."""
-    return [handle.stats() for handle in _handles]
+    return [handle.stats() for handle in _attached()]

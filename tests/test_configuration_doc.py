@@ -126,6 +126,7 @@ def code_reads() -> dict[str, set[str]]:
         ROOT / "csrc",
         ROOT / "setup.py",
         ROOT / "CMakeLists.txt",
+        ROOT / "tests" / "multiproc.py",  # the test harness's knob (ODC_TEST_FRESH_RANKS)
     ]
     for top in tops:
         for path in _files(top):

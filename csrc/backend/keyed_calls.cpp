@@ -101,11 +101,14 @@ bool OdcBackend::hasEngine() const {
 
 std::shared_ptr<Engine> OdcBackend::engine(const char* op) {
   std::lock_guard<std::mutex> lock(mu_);
-  TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": ", op,
-              " on a process group that was destroyed (destroy_process_group) or aborted: a model "
-              "attached through it can no longer run; attach a model made over a live group");
-  TORCH_CHECK(engine_, "odc: rank ", rank_, ": ", op,
-              " needs a model attached with torch_odc.attach(model) on this process group");
+  if (!engine_) {  // close() drops the engine: the shut-down case is named only here
+    TORCH_CHECK(!shutdown_, "odc: rank ", rank_, ": ", op,
+                " on a process group that was destroyed (destroy_process_group) or aborted: a "
+                "model attached through it can no longer run; attach a model made over a live "
+                "group");
+    TORCH_CHECK(false, "odc: rank ", rank_, ": ", op,
+                " needs a model attached with torch_odc.attach(model) on this process group");
+  }
   return engine_;
 }
 

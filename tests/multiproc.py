@@ -33,6 +33,25 @@ import traceback
 import torch.multiprocessing as mp
 
 
+def _call(rank, world_size, backend, store_path, fn, args, pg_timeout):
+    """fn(rank, world_size, *args) in a new process group over the FileStore at store_path."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _worker(
     rank, world_size, backend, store_path, fn, args, results, device_per_rank, env, pg_timeout
 ):
@@ -42,7 +61,6 @@ def _worker(
     faulthandler.enable()
     try:
         import torch
-        import torch.distributed as dist
 
         # torch was imported (with this module) before `env` applied: set its intra-op threads
         # here, or every rank runs OpenMP workers that spin against the other ranks' threads.
@@ -52,19 +70,7 @@ def _worker(
 
         if device_per_rank:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        value = _call(rank, world_size, backend, store_path, fn, args, pg_timeout)
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with us.
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -139,23 +145,11 @@ def _pooled_worker(rank, env, jobs, results):
         job_id, world_size, backend, store_path, fn, args, pg_timeout = job
         torch.manual_seed(seed)  # what a new process's generator would give
         try:
-            store = dist.FileStore(store_path, world_size)
-            dist.init_process_group(
-                backend=backend,
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=pg_timeout),
-            )
-            try:
-                value = fn(rank, world_size, *args)
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+            value = _call(rank, world_size, backend, store_path, fn, args, pg_timeout)
             payload, ok = pickle.dumps(value), True
+            del value
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
             payload, ok = traceback.format_exc(), False
-        value = None
         # The call's garbage goes now (a model and its handle hold each other, and with them
         # what views ODC's regions): a new process has none.
         gc.collect()
